@@ -1,0 +1,60 @@
+"""Attention over what the cache holds: the one dispatcher and its PyTorch reference.
+
+Every query attends to stored-then-loaded K/V (prefill included), so a lossy cache
+type shows its loss everywhere. The reference streams the cache in chunks of positions
+with an online softmax (FlashAttention's recurrence), so no step holds the whole cache
+in f32. Triton kernels (CUDA) plug in here with the same signature.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+# f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
+CHUNK_BYTES = 8 * 1024 * 1024
+
+
+def attend(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
+    """q (B, T, H, D) f32 at positions pos..pos+T-1 -> (B, T, H * D) f32."""
+    return attend_reference(q, cache, layer, pos)
+
+
+def attend_reference(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
+    B, T, H, D = q.shape
+    Hkv = cache.k.n_heads
+    G = H // Hkv
+    # Group the query heads of each KV head: (B, Hkv, G*T, D); row r = g*T + t. No K/V repeat.
+    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
+    qg = qg * (1.0 / math.sqrt(D))
+    end = pos + T
+    chunk = max(256, CHUNK_BYTES // (4 * B * Hkv * D))
+    # Query row r sits at position pos + r % T; it may see keys j <= pos + r % T.
+    q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]  # (G*T, 1)
+
+    if end <= chunk:  # one pass: the common case, no running max needed
+        k, v = cache.k.load(layer, 0, end), cache.v.load(layer, 0, end)
+        s = qg @ k.transpose(-1, -2)  # (B, Hkv, G*T, end)
+        if T > 1:
+            s = s.masked_fill(torch.arange(end, device=q.device) > q_pos, float("-inf"))
+        out = torch.softmax(s, dim=-1) @ v
+    else:
+        m = torch.full((B, Hkv, G * T, 1), float("-inf"), device=q.device)
+        l = torch.zeros((B, Hkv, G * T, 1), device=q.device)
+        out = torch.zeros((B, Hkv, G * T, D), device=q.device)
+        for c0 in range(0, end, chunk):
+            c1 = min(c0 + chunk, end)
+            k, v = cache.k.load(layer, c0, c1), cache.v.load(layer, c0, c1)
+            s = qg @ k.transpose(-1, -2)
+            if c1 - 1 > pos:  # chunk reaches into this batch's own positions: causal mask
+                s = s.masked_fill(torch.arange(c0, c1, device=q.device) > q_pos, float("-inf"))
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: key 0 is visible to all
+            p = torch.exp(s - m_new)
+            scale = torch.exp(m - m_new)
+            l = l * scale + p.sum(dim=-1, keepdim=True)
+            out = out * scale + p @ v
+            m = m_new
+        out = out / l
+    # (B, Hkv, G*T, D) -> (B, T, H*D)
+    return out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)

@@ -1,0 +1,96 @@
+"""The cache protocol: per-layer stores for K and for V, each of one storage type.
+
+A store keeps (B, Hkv, n_ctx, D) vectors in its own format and hands them back as f32
+in chunks of positions, so attention never needs the whole cache in full precision.
+Storage types register themselves by subclassing (as gguf-py's quant classes do); the
+CLI's choices come from `STORAGE_TYPES`.
+"""
+
+from __future__ import annotations
+
+from typing import ClassVar
+
+import torch
+
+from kvcli.errors import KvcliError
+
+STORAGE_TYPES: dict[str, type["Store"]] = {}
+ALIASES: dict[str, str] = {}
+
+
+class Store:
+    """One tensor family (K or V) for every layer. Subclasses set name, block_size, block_bytes."""
+
+    name: ClassVar[str]
+    block_size: ClassVar[int] = 1  # elements per block along the head dimension
+    block_bytes: ClassVar[int]  # bytes per block, scales included
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__:
+            STORAGE_TYPES[cls.name] = cls
+
+    @classmethod
+    def bits_per_element(cls) -> float:
+        return 8.0 * cls.block_bytes / cls.block_size
+
+    @classmethod
+    def bytes_for(cls, n_elements: int) -> int:
+        return n_elements // cls.block_size * cls.block_bytes
+
+    def __init__(self, n_layers: int, batch: int, n_heads: int, n_ctx: int, head_dim: int, device: str = "cpu"):
+        if head_dim % self.block_size:
+            raise KvcliError(f"cache type {self.name} needs a head size divisible by {self.block_size}, got {head_dim}")
+        self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim = n_layers, batch, n_heads, n_ctx, head_dim
+        self.device = device
+
+    def nbytes(self) -> int:
+        raise NotImplementedError
+
+    def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        """x (B, T, Hkv, D) f32 -> positions pos..pos+T-1 of this layer."""
+        raise NotImplementedError
+
+    def load(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Positions start..end-1 of this layer as f32 (B, Hkv, end - start, D)."""
+        raise NotImplementedError
+
+
+def resolve_type(name: str) -> type[Store]:
+    key = ALIASES.get(name.lower(), name.lower())
+    if key not in STORAGE_TYPES:
+        choices = ", ".join(list(STORAGE_TYPES) + [f"{a} (= {t})" for a, t in ALIASES.items()])
+        raise KvcliError(f"unknown cache type {name!r}; choose one of: {choices}")
+    return STORAGE_TYPES[key]
+
+
+class KVCache:
+    """K and V stores of one model; types chosen independently (llama.cpp's -ctk / -ctv)."""
+
+    def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
+                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu"):
+        shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
+        self.k = resolve_type(type_k)(*shape, device=device)
+        self.v = resolve_type(type_v)(*shape, device=device)
+        self.n_layers, self.batch, self.n_ctx = n_layers, batch, n_ctx
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+        if pos + k.shape[1] > self.n_ctx:
+            raise KvcliError(f"context full: {pos + k.shape[1]} tokens do not fit in a {self.n_ctx}-token cache")
+        self.k.store(layer, k, pos)
+        self.v.store(layer, v, pos)
+
+    def nbytes(self) -> int:
+        return self.k.nbytes() + self.v.nbytes()
+
+    def describe(self) -> str:
+        """llama.cpp's start-up line for the KV cache."""
+        mib = 1024 * 1024
+        return (f"KV cache: size = {self.nbytes() / mib:7.2f} MiB ({self.n_ctx:6d} cells, {self.n_layers:3d} layers, "
+                f"{self.batch}/{self.batch} seqs), K ({self.k.name}): {self.k.nbytes() / mib:7.2f} MiB, "
+                f"V ({self.v.name}): {self.v.nbytes() / mib:7.2f} MiB")
+
+    @staticmethod
+    def bytes_needed(n_layers: int, batch: int, kv_dim: int, n_ctx: int, type_k: str, type_v: str) -> int:
+        n = n_layers * batch * kv_dim * n_ctx
+        return resolve_type(type_k).bytes_for(n) + resolve_type(type_v).bytes_for(n)

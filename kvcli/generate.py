@@ -1,0 +1,83 @@
+"""Sampling (llama.cpp's chain and defaults) and the prompt/eval timings."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Sequence
+
+import torch
+
+
+@dataclass
+class Sampler:
+    """llama.cpp's order: repeat penalty -> top-k -> top-p -> min-p -> temperature -> draw.
+    temp <= 0 is greedy (argmax after the penalty), deterministic."""
+
+    temp: float = 0.8
+    top_k: int = 40
+    top_p: float = 0.95
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    seed: int = -1
+    generator: torch.Generator = field(init=False, repr=False)
+
+    def __post_init__(self):
+        self.generator = torch.Generator()
+        if self.seed >= 0:
+            self.generator.manual_seed(self.seed)
+        else:
+            self.generator.seed()
+
+    def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
+        """logits (V,) f32 for the next position; history: the ids so far (prompt included)."""
+        if self.repeat_penalty != 1.0 and self.repeat_last_n != 0 and history:
+            recent = history if self.repeat_last_n < 0 else history[-self.repeat_last_n :]
+            ids = torch.tensor(sorted(set(recent)), dtype=torch.long)
+            vals = logits[ids]
+            logits = logits.clone()
+            logits[ids] = torch.where(vals > 0, vals / self.repeat_penalty, vals * self.repeat_penalty)
+        if self.temp <= 0:
+            return int(torch.argmax(logits))
+        k = logits.shape[-1] if self.top_k <= 0 else min(self.top_k, logits.shape[-1])
+        vals, ids = torch.topk(logits, k)  # sorted, descending
+        if self.top_p < 1.0:
+            probs = torch.softmax(vals, dim=-1)
+            # keep the smallest prefix whose mass reaches top_p (at least one token)
+            keep = int((torch.cumsum(probs, -1) < self.top_p).sum()) + 1
+            vals, ids = vals[:keep], ids[:keep]
+        if self.min_p > 0.0:
+            probs = torch.softmax(vals, dim=-1)
+            keep = max(1, int((probs >= self.min_p * probs[0]).sum()))
+            vals, ids = vals[:keep], ids[:keep]
+        probs = torch.softmax(vals / self.temp, dim=-1)
+        return int(ids[torch.multinomial(probs, 1, generator=self.generator)])
+
+
+@dataclass
+class Timings:
+    prompt_tokens: int = 0
+    prompt_seconds: float = 0.0
+    eval_tokens: int = 0
+    eval_seconds: float = 0.0
+    context_full: bool = False
+
+    def add_prompt(self, n: int, seconds: float) -> None:
+        self.prompt_tokens += n
+        self.prompt_seconds += seconds
+
+    def add_eval(self, n: int, seconds: float) -> None:
+        self.eval_tokens += n
+        self.eval_seconds += seconds
+
+    def report(self) -> list[str]:
+        """llama.cpp's perf lines: time, tokens, ms per token, tokens per second."""
+        return [self._line("prompt eval time", self.prompt_seconds, self.prompt_tokens, "tokens"),
+                self._line("       eval time", self.eval_seconds, self.eval_tokens, "runs  ")]
+
+    @staticmethod
+    def _line(label: str, seconds: float, n: int, unit: str) -> str:
+        ms = seconds * 1000
+        per = ms / n if n else 0.0
+        tps = n / seconds if seconds > 0 else 0.0
+        return f"{label} = {ms:10.2f} ms / {n:5d} {unit} ({per:8.2f} ms per token, {tps:8.2f} tokens per second)"

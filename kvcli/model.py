@@ -1,0 +1,99 @@
+"""The Llama decoder: RMSNorm, RoPE (GGUF adjacent-pair layout), GQA attention, SwiGLU.
+
+It knows nothing of cache formats: each block hands its K/V to `cache.store` and asks
+`kvcli.attention.attend` for the attention output over what the cache holds.
+The residual stream, norms, RoPE and softmax run in f32; matmuls run in the weights'
+dtype (f16 weights multiply about 3x faster than f32 on this kind of CPU).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from kvcli.attention import attend
+from kvcli.config import ModelConfig
+
+
+def rope_table(c: ModelConfig, n_ctx: int, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
+    """(n_ctx, head_dim/2) complex64 rotations e^{i * pos * theta_j}, theta_j = base^(-2j/D)."""
+    theta = 1.0 / (c.rope_base ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
+    if freq_factors is not None:  # llama3-style rope_freqs.weight divides each frequency
+        theta = theta / freq_factors.double()
+    pos = torch.arange(n_ctx, dtype=torch.float64) / c.rope_scale_factor  # linear scaling
+    angles = torch.outer(pos, theta).float()
+    return torch.polar(torch.ones_like(angles), angles)
+
+
+def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+    """x (B, T, H, D) f32; rot (T, D/2) complex. GGUF llama layout: rotate pairs (2i, 2i+1).
+
+    llama.cpp's converter permutes Q/K rows of a Hugging Face checkpoint so that the
+    pairs rotated together are adjacent (Meta's layout); this is the one place that relies on it.
+    """
+    B, T, H, D = x.shape
+    xc = torch.view_as_complex(x.reshape(B, T, H, D // 2, 2))
+    return torch.view_as_real(xc * rot[:, None, :]).reshape(B, T, H, D)
+
+
+class Block(nn.Module):
+    def __init__(self, c: ModelConfig, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype):
+        super().__init__()
+        p = f"blk.{i}."
+        self.c, self.layer = c, i
+        self.attn_norm = w[p + "attn_norm.weight"].float()
+        self.ffn_norm = w[p + "ffn_norm.weight"].float()
+        # Fused projections: one matmul for q,k,v and one for gate,up (fewer ops per token).
+        self.wqkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]]).to(dtype)
+        self.wo = w[p + "attn_output.weight"].to(dtype)
+        self.w_gate_up = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]]).to(dtype)
+        self.w_down = w[p + "ffn_down.weight"].to(dtype)
+        self.dtype = dtype
+        self.q_dim = c.n_heads * c.head_dim
+
+    def forward(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
+        c = self.c
+        B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
+        x = F.rms_norm(h, (c.n_embd,), self.attn_norm, c.rms_eps).to(self.dtype)
+        qkv = F.linear(x, self.wqkv).float()  # (B, T, (H + 2*Hkv) * D)
+        qk = apply_rope(qkv[..., : self.q_dim + c.kv_dim].reshape(B, T, c.n_heads + c.n_kv_heads, c.head_dim), rot)
+        q, k = qk[:, :, : c.n_heads], qk[:, :, c.n_heads :]  # (B, T, H, D), (B, T, Hkv, D)
+        v = qkv[..., self.q_dim + c.kv_dim :].reshape(B, T, c.n_kv_heads, c.head_dim)
+        cache.store(self.layer, k, v, pos)
+        o = attend(q, cache, self.layer, pos)  # (B, T, H * D) f32
+        h = h + F.linear(o.to(self.dtype), self.wo).float()
+        x = F.rms_norm(h, (c.n_embd,), self.ffn_norm, c.rms_eps).to(self.dtype)
+        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
+        return h + F.linear(F.silu(gate) * up, self.w_down).float()
+
+
+class Transformer(nn.Module):
+    def __init__(self, c: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, n_ctx: int):
+        super().__init__()
+        self.c, self.dtype = c, dtype
+        self.tok_embd = weights["token_embd.weight"].to(dtype)
+        # Tied embeddings: without output.weight the head reuses token_embd (as llama.cpp does).
+        out = weights.get("output.weight")
+        self.output = self.tok_embd if out is None else out.to(dtype)
+        self.output_norm = weights["output_norm.weight"].float()
+        self.blocks = nn.ModuleList(Block(c, weights, i, dtype) for i in range(c.n_layers))
+        self.rot = rope_table(c, n_ctx, weights.get("rope_freqs.weight"))
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache, pos: int, last_only: bool = False) -> torch.Tensor:
+        """tokens (B, T) at positions pos..pos+T-1 -> logits (B, T or 1, vocab) f32."""
+        T = tokens.shape[1]
+        h = self.tok_embd[tokens].float()  # (B, T, n_embd)
+        rot = self.rot[pos : pos + T]
+        for block in self.blocks:
+            h = block(h, cache, pos, rot)
+        if last_only:
+            h = h[:, -1:]
+        h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps).to(self.dtype)
+        return F.linear(h, self.output).float()
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    return {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}[name]
+
