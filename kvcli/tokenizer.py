@@ -19,6 +19,7 @@ import codecs
 import json
 import re
 import struct
+from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from kvcli.errors import KvcliError
@@ -41,14 +42,17 @@ _FALCON = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]
 _PRE: dict[str, tuple[list[str], bool, bool]] = {}
 for _names, _spec in [
     (["default"], (_DEFAULT, False, False)),
-    (["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"], ([_LLAMA3], True, True)),
+    (["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"],
+     ([_LLAMA3], True, True)),
     (["dbrx", "smaug-bpe", "chatglm-bpe"], ([_LLAMA3], False, False)),
-    (["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"], ([r"\p{N}", _GPT2], False, False)),
+    (["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
+     ([r"\p{N}", _GPT2], False, False)),
     (["gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling"], ([_GPT2], False, False)),
     (["qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "grok-2"], ([_QWEN2], False, False)),
     (["falcon"], (_FALCON, False, False)),
 ]:
     _PRE.update(dict.fromkeys(_names, _spec))
+del _names, _spec
 
 # Token texts llama.cpp treats as end-of-generation (special_eog_ids), plus the FIM pad/repo/sep
 # tokens it also adds there. (Its EOT auto-detection by text only finds texts already listed here.)
@@ -63,7 +67,7 @@ _FIM_EOG_TEXTS = {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|
 
 def _bytes_to_unicode() -> dict[int, str]:
     """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs = bs[:]
     n = 0
     for b in range(256):
@@ -133,8 +137,8 @@ class Tokenizer:
         self.add_space_prefix = bool(meta.get("tokenizer.ggml.add_space_prefix", spm)) and spm
 
         # user-defined tokens are always split out of the text, control/unknown ones only when asked.
-        self._always = [i for i, t in enumerate(self.types) if t == USER_DEFINED]
-        self._special = [i for i, t in enumerate(self.types) if t in (CONTROL, UNKNOWN)]
+        self._always = [i for i, t in enumerate(self.types) if t == USER_DEFINED and self.tokens[i]]
+        self._special = [i for i, t in enumerate(self.types) if t in (CONTROL, UNKNOWN) and self.tokens[i]]
         if spm:
             types = list(self.types)
             if UNKNOWN not in types:  # sentencepiece refuses a model without exactly one unknown piece
@@ -143,7 +147,8 @@ class Tokenizer:
 
             scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
             self._sp = sentencepiece.SentencePieceProcessor(model_proto=_spm_model_proto(self.tokens, scores, types))
-            self._split = {ps: self._split_regex(self._always + (self._special if ps else [])) for ps in (False, True)}
+            # parse_special -> (regex splitting out the tokens matched whole, their text -> id)
+            self._split = {ps: self._splitter(self._always + (self._special if ps else [])) for ps in (False, True)}
             default_bos = True
         else:
             pre = meta.get("tokenizer.ggml.pre") or "default"
@@ -168,12 +173,14 @@ class Tokenizer:
         tok.add_special_tokens([AddedToken(self.tokens[i], normalized=False, special=True) for i in self._special])
         tok.add_tokens([AddedToken(self.tokens[i], normalized=False, special=False) for i in self._always])
         plain = HFTokenizer.from_str(tok.to_str())
-        plain.encode_special_tokens = True  # control tokens are then ordinary text, like llama.cpp's parse_special=false
+        # control tokens are then ordinary text, like llama.cpp's parse_special=false
+        plain.encode_special_tokens = True
         return {False: plain, True: tok}
 
-    def _split_regex(self, ids: list[int]) -> re.Pattern | None:
-        texts = sorted({self.tokens[i] for i in ids if self.tokens[i]}, key=len, reverse=True)  # longest first
-        return re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None
+    def _splitter(self, ids: list[int]) -> tuple[re.Pattern | None, dict[str, int]]:
+        by_text = {self.tokens[i]: i for i in ids}
+        texts = sorted(by_text, key=len, reverse=True)  # longest first, as llama.cpp tries them
+        return (re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None), by_text
 
     def _eog_ids(self, meta) -> frozenset[int]:
         n, ids = self.vocab_size, set()
@@ -198,8 +205,7 @@ class Tokenizer:
             return ids + self._hf[parse_special].encode(text, add_special_tokens=False).ids
         # SentencePiece, as llama.cpp's llm_tokenizer_spm: split out special tokens, then give every text
         # fragment that starts the prompt or follows a special token a leading space, and escape spaces.
-        split, prev_special = self._split[parse_special], True
-        by_text = {self.tokens[i]: i for i in self._always + (self._special if parse_special else [])}
+        (split, by_text), prev_special = self._split[parse_special], True
         for k, part in enumerate(split.split(text) if split else [text]):
             if k % 2:  # odd parts are the separators the capturing group kept: special tokens
                 ids.append(by_text[part])
@@ -264,6 +270,7 @@ class Tokenizer:
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True, extensions=[loopcontrols])
         env.filters["tojson"] = tojson
         env.globals["raise_exception"] = raise_exception
+        env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
         tok = lambda i: self.tokens[i] if i is not None else ""  # noqa: E731
         try:
             return env.from_string(self.chat_template).render(

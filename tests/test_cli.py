@@ -1,0 +1,129 @@
+"""Layer (e): the CLI end to end through typer's CliRunner, bad inputs included."""
+
+import gguf
+import numpy as np
+import pytest
+from typer.testing import CliRunner
+
+from kvcli.cli import app
+from tiny import make_hf_model, write_gguf
+
+runner = CliRunner()
+
+
+@pytest.fixture(scope="module")
+def hf():
+    return make_hf_model(n_heads=4, n_kv_heads=2)
+
+
+@pytest.fixture(scope="module")
+def tiny(hf, tmp_path_factory):
+    return write_gguf(hf, tmp_path_factory.mktemp("cli") / "tiny.gguf")
+
+
+def run(*args):
+    return runner.invoke(app, ["run", *map(str, args)])
+
+
+def assert_clean_error(result, *words):
+    assert result.exit_code == 1, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit)
+    assert "Traceback" not in result.output
+    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
+    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
+    for w in words:
+        assert w in errors[0], errors[0]
+
+
+def test_greedy_run_is_deterministic(tiny):
+    a = run("-m", tiny, "-p", "the the", "-n", 12, "--temp", 0, "-c", 64, "--dtype", "f32")
+    b = run("-m", tiny, "-p", "the the", "-n", 12, "--temp", 0, "-c", 64, "--dtype", "f32")
+    assert a.exit_code == 0, a.output
+    assert a.stdout == b.stdout and a.stdout.startswith("the the")
+    assert "KV cache: size =" in a.stderr and "K (f16)" in a.stderr and "V (f16)" in a.stderr
+    assert "prompt eval time" in a.stderr and "tokens per second" in a.stderr
+
+
+def test_cache_size_line_is_the_real_byte_count(tiny):
+    r = run("-m", tiny, "-p", "hi", "-n", 1, "-c", 128, "-ctk", "f32", "-ctv", "f16")
+    assert r.exit_code == 0, r.output
+    # 2 layers x 128 cells x kv_dim 32 (2 heads x 16) x (4 + 2) bytes
+    assert "size =    0.05 MiB (   128 cells,   2 layers" in r.stderr
+    assert "K (f32):    0.03 MiB, V (f16):    0.02 MiB" in r.stderr
+
+
+def test_generation_stops_at_context_end(tiny):
+    r = run("-m", tiny, "-p", "the", "-n", 100, "-c", 8, "--temp", 0)
+    assert r.exit_code == 0, r.output
+    assert "context full" in r.stderr
+
+
+def test_missing_file(tmp_path):
+    assert_clean_error(run("-m", tmp_path / "nope.gguf", "-p", "x"), "not found")
+
+
+def test_not_a_gguf(tmp_path):
+    p = tmp_path / "x.gguf"
+    p.write_bytes(b"hello world, not a model" * 10)
+    assert_clean_error(run("-m", p, "-p", "x"), "not a GGUF")
+
+
+@pytest.mark.parametrize("keep", [0.02, 0.5, 0.97])
+def test_truncated(tiny, tmp_path, keep):
+    data = tiny.read_bytes()
+    p = tmp_path / "cut.gguf"
+    p.write_bytes(data[: int(len(data) * keep)])
+    assert_clean_error(run("-m", p, "-p", "x"), "truncated")
+
+
+def test_unsupported_architecture(hf, tmp_path):
+    p = write_gguf(hf, tmp_path / "arch.gguf", arch="gptneox")
+    assert_clean_error(run("-m", p, "-p", "x"), "unsupported architecture", "gptneox")
+
+
+def test_missing_tensor(hf, tmp_path):
+    p = write_gguf(hf, tmp_path / "miss.gguf", drop="blk.1.ffn_up.weight")
+    assert_clean_error(run("-m", p, "-p", "x"), "blk.1.ffn_up.weight")
+
+
+def test_wrong_shape(hf, tmp_path):
+    p = write_gguf(hf, tmp_path / "shape.gguf", overrides={"blk.0.attn_k.weight": np.zeros((16, 64), np.float32)})
+    assert_clean_error(run("-m", p, "-p", "x"), "blk.0.attn_k.weight", "shape")
+
+
+def test_unsupported_tensor_type(hf, tmp_path):
+    # Q8_1 is a ggml type gguf-py cannot dequantize: 32 elements in 40 bytes.
+    raw = np.zeros((192, 64 // 32 * 40), dtype=np.uint8)
+    p = write_gguf(hf, tmp_path / "q81.gguf", raw={"blk.0.ffn_gate.weight": (raw, gguf.GGMLQuantizationType.Q8_1)})
+    assert_clean_error(run("-m", p, "-p", "x"), "unsupported type", "Q8_1")
+
+
+def test_unknown_cache_type(tiny):
+    assert_clean_error(run("-m", tiny, "-p", "x", "-ctk", "q3_9"), "unknown cache type", "f16")
+
+
+def test_prompt_longer_than_context(tiny):
+    assert_clean_error(run("-m", tiny, "-p", "the " * 50, "-c", 16), "longer than", "context")
+
+
+def test_context_that_does_not_fit_in_memory(tiny):
+    assert_clean_error(run("-m", tiny, "-p", "x", "-c", 2**31), "does not fit in memory", "GiB")
+
+
+def test_empty_prompt(tiny):
+    assert_clean_error(run("-m", tiny, "-p", ""), "empty prompt")
+
+
+def test_prompt_file_not_utf8(tiny, tmp_path):
+    p = tmp_path / "prompt.txt"
+    p.write_bytes(b"abc\xff\xfe")
+    assert_clean_error(run("-m", tiny, "-f", p), "byte offset 3")
+    ok = run("-m", tiny, "-f", p, "--encoding", "latin-1", "-n", 1, "--temp", 0)
+    assert ok.exit_code == 0, ok.output
+
+
+def test_help_is_plain():
+    r = runner.invoke(app, ["run", "--help"])
+    assert r.exit_code == 0
+    for flag in ["--ctx-size", "--cache-type-k", "--cache-type-v", "--conversation", "--n-predict", "--repeat-penalty"]:
+        assert flag in r.stdout
