@@ -127,3 +127,16 @@ def test_help_is_plain():
     assert r.exit_code == 0
     for flag in ["--ctx-size", "--cache-type-k", "--cache-type-v", "--conversation", "--n-predict", "--repeat-penalty"]:
         assert flag in r.stdout
+
+
+def test_conversation_through_chat_template(default_model):
+    r = runner.invoke(app, ["run", "-m", str(default_model), "-cnv", "--temp", "0", "-n", "24", "-c", "512"],
+                      input="What is the capital of France?\nAnd of Italy?\n")
+    assert r.exit_code == 0, r.output
+    assert "Paris" in r.stdout and "Rome" in r.stdout
+    assert r.stderr.count("prompt eval time") == 1
+
+
+def test_conversation_without_template(tiny):
+    r = runner.invoke(app, ["run", "-m", str(tiny), "-cnv"], input="hi\n")
+    assert r.exit_code == 1 and "chat template" in r.stderr
