@@ -128,6 +128,11 @@ def run(
     raise typer.Exit(code)
 
 
+from convert.command import convert_command  # noqa: E402  (imports torch lazily)
+
+app.command("convert", help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)
+
+
 def main() -> None:  # pragma: no cover - console script entry for `python -m kvcli`
     app()
 

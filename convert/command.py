@@ -1,0 +1,22 @@
+"""`kvcli convert`: the Typer command. The lead registers it with `app.command("convert")(convert_command)`."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+
+def convert_command(
+    hf_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json, weights, tokenizer)."),
+    out: Path = typer.Option(..., "-o", "--outfile", help="GGUF file to write."),
+    outtype: str = typer.Option("f16", "--outtype", help="Weight type: f32, f16, bf16, q8_0 or q4_0."),
+    force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
+):
+    """Convert a Hugging Face Llama/Mistral checkpoint to a llama.cpp-compatible GGUF file."""
+    # imported here: kvcli.cli may import this module while it is itself being imported
+    from convert.hf_to_gguf import convert_hf
+    from kvcli.cli import log, user_errors
+
+    with user_errors():
+        convert_hf(hf_dir, out, outtype=outtype.lower(), force=force, progress=True, log=log)
