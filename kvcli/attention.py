@@ -1,9 +1,12 @@
 """Attention over what the cache holds: the one dispatcher and its PyTorch reference.
 
 Every query attends to stored-then-loaded K/V (prefill included), so a lossy cache
-type shows its loss everywhere. The reference streams the cache in chunks of positions
-with an online softmax (FlashAttention's recurrence), so no step holds the whole cache
-in f32. Triton kernels (CUDA) plug in here with the same signature.
+type shows its loss everywhere. The reference reads the cache in chunks of positions, so
+no step holds the whole cache in f32: with flash attention on, an online softmax
+(FlashAttention's recurrence) over the chunks; off, the scores are materialized (they are
+small: one row per query) and V is still read chunk by chunk. A store may keep vectors in
+a rotated space: the query goes into the K store's space and the output comes back out of
+the V store's. Triton kernels (CUDA) plug in here with the same signature.
 """
 
 from __future__ import annotations
@@ -19,43 +22,47 @@ MIN_CHUNK = 256
 
 def attend(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
     """q (B, T, H, D) f32 at positions pos..pos+T-1 -> (B, T, H * D) f32."""
-    return attend_reference(q, cache, layer, pos)
+    return attend_reference(q, cache, layer, pos, flash=cache.flash_attn)
 
 
-def attend_reference(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
+def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool = True) -> torch.Tensor:
     B, T, H, D = q.shape
     Hkv = cache.k.n_heads
     G = H // Hkv
     # Group the query heads of each KV head: (B, Hkv, G*T, D); row r = g*T + t. No K/V repeat.
     qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    qg = qg * (1.0 / math.sqrt(D))
+    qg = cache.k.to_storage(qg) * (1.0 / math.sqrt(D))
     end = pos + T
     chunk = max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * D))
     # Query row r sits at position pos + r % T; it may see keys j <= pos + r % T.
     q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]  # (G*T, 1)
 
-    if end <= chunk:  # one pass: the common case, no running max needed
-        k, v = cache.k.load(layer, 0, end), cache.v.load(layer, 0, end)
-        s = qg @ k.transpose(-1, -2)  # (B, Hkv, G*T, end)
-        if T > 1:
-            s = s.masked_fill(torch.arange(end, device=q.device) > q_pos, float("-inf"))
-        out = torch.softmax(s, dim=-1) @ v
+    def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, G*T, c1 - c0)
+        s = qg @ cache.k.load(layer, c0, c1).transpose(-1, -2)
+        if c1 - 1 > pos:  # the chunk reaches this batch's own positions: causal mask
+            s = s.masked_fill(torch.arange(c0, c1, device=q.device) > q_pos, float("-inf"))
+        return s
+
+    if end <= chunk:  # one chunk: plain softmax, the common case
+        out = torch.softmax(scores(0, end), dim=-1) @ cache.v.load(layer, 0, end)
+    elif not flash:  # materialized scores, V streamed
+        p = torch.softmax(torch.cat([scores(c0, min(c0 + chunk, end)) for c0 in range(0, end, chunk)], -1), -1)
+        out = sum(p[..., c0 : c0 + chunk] @ cache.v.load(layer, c0, min(c0 + chunk, end))
+                  for c0 in range(0, end, chunk))
     else:
         m = torch.full((B, Hkv, G * T, 1), float("-inf"), device=q.device)
         l = torch.zeros((B, Hkv, G * T, 1), device=q.device)
         out = torch.zeros((B, Hkv, G * T, D), device=q.device)
         for c0 in range(0, end, chunk):
             c1 = min(c0 + chunk, end)
-            k, v = cache.k.load(layer, c0, c1), cache.v.load(layer, c0, c1)
-            s = qg @ k.transpose(-1, -2)
-            if c1 - 1 > pos:  # chunk reaches into this batch's own positions: causal mask
-                s = s.masked_fill(torch.arange(c0, c1, device=q.device) > q_pos, float("-inf"))
+            s = scores(c0, c1)
             m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: key 0 is visible to all
             p = torch.exp(s - m_new)
             scale = torch.exp(m - m_new)
             l = l * scale + p.sum(dim=-1, keepdim=True)
-            out = out * scale + p @ v
+            out = out * scale + p @ cache.v.load(layer, c0, c1)
             m = m_new
         out = out / l
+    out = cache.v.from_storage(out)
     # (B, Hkv, G*T, D) -> (B, T, H*D)
     return out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)

@@ -61,9 +61,17 @@ def read_prompt(prompt: Optional[str], file: Optional[Path], encoding: str = "ut
         raise KvcliError(f"unknown --encoding {encoding!r}") from None
 
 
+def parse_flash_attn(value: str) -> bool:
+    """llama.cpp's -fa on|off|auto (auto = on: the streamed path is never worse here)."""
+    if value not in ("on", "off", "auto"):
+        raise KvcliError(f"-fa/--flash-attn takes on, off or auto, not {value!r}")
+    return value != "off"
+
+
 ModelOpt = typer.Option(None, "-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).")
 CtkOpt = typer.Option("f16", "-ctk", "--cache-type-k", help="K cache storage type.")
 CtvOpt = typer.Option("f16", "-ctv", "--cache-type-v", help="V cache storage type.")
+FlashOpt = typer.Option("auto", "-fa", "--flash-attn", help="on: online-softmax attention over cache chunks; off: materialized scores; auto = on.")
 ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (default: torch's choice).")
 
 
@@ -97,6 +105,7 @@ def run(
     system_prompt: Optional[str] = typer.Option(None, "-sys", "--system-prompt", help="System message for -cnv."),
     cache_type_k: str = CtkOpt,
     cache_type_v: str = CtvOpt,
+    flash_attn: str = FlashOpt,
     dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights: f32 or f16."),
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt."),
 ):
@@ -115,7 +124,7 @@ def run(
         from kvcli.llama import Llama
 
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                    batch_size=batch_size, threads=threads, log=log)
+                    batch_size=batch_size, threads=threads, flash_attn=parse_flash_attn(flash_attn), log=log)
         c = llm.config
         log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
             f"{llm.n_ctx} ctx, {dtype} compute, loaded in {llm.load_seconds:.2f} s)")

@@ -26,7 +26,8 @@ from kvcli.model import Transformer, dtype_from_name
 class Llama:
     def __init__(self, model_path: str | os.PathLike, ctx_size: int = 4096, dtype: str = "f16",
                  cache_type_k: str = "f16", cache_type_v: str = "f16", batch_size: int = 512,
-                 n_seq: int = 1, threads: int | None = None, log: Callable[[str], None] | None = None):
+                 n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
+                 log: Callable[[str], None] | None = None):
         if threads:
             torch.set_num_threads(threads)
         if dtype not in ("f32", "f16", "bf16"):
@@ -46,7 +47,8 @@ class Llama:
         weights = {n: torch.from_numpy(read_tensor(self.gguf, n)) for n in names}
         self.model = Transformer(c, weights, dtype_from_name(dtype), self.n_ctx)
         del weights
-        self.cache = KVCache(c.n_layers, n_seq, c.n_kv_heads, self.n_ctx, c.head_dim, cache_type_k, cache_type_v)
+        self.cache = KVCache(c.n_layers, n_seq, c.n_kv_heads, self.n_ctx, c.head_dim, cache_type_k, cache_type_v,
+                             flash_attn=flash_attn)
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)

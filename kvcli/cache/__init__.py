@@ -1,6 +1,10 @@
 """Cache storage types; importing this package registers all of them."""
 
 from kvcli.cache import dense  # noqa: F401  (registers f32, f16, bf16)
+from kvcli.cache import ggml_blocks  # noqa: F401  (registers q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl)
+from kvcli.cache import hadamard  # noqa: F401  (registers q4_hadamard)
 from kvcli.cache.base import ALIASES, STORAGE_TYPES, KVCache, Store, resolve_type
+
+ALIASES.update({"q8": "q8_0", "q4": "q4_hadamard"})
 
 __all__ = ["ALIASES", "STORAGE_TYPES", "KVCache", "Store", "resolve_type"]

@@ -35,8 +35,17 @@ class Store:
         return 8.0 * cls.block_bytes / cls.block_size
 
     @classmethod
-    def bytes_for(cls, n_elements: int) -> int:
-        return n_elements // cls.block_size * cls.block_bytes
+    def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
+        """The bytes a store of this shape allocates (the memory plan and `nbytes` agree)."""
+        return n_layers * batch * n_ctx * kv_dim // cls.block_size * cls.block_bytes
+
+    def to_storage(self, x: torch.Tensor) -> torch.Tensor:
+        """Map a query (K store) into the space `load` returns vectors in; identity here."""
+        return x
+
+    def from_storage(self, x: torch.Tensor) -> torch.Tensor:
+        """Map an attention output (V store) back from that space; identity here."""
+        return x
 
     def __init__(self, n_layers: int, batch: int, n_heads: int, n_ctx: int, head_dim: int, device: str = "cpu"):
         if head_dim % self.block_size:
@@ -68,8 +77,9 @@ class KVCache:
     """K and V stores of one model; types chosen independently (llama.cpp's -ctk / -ctv)."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu"):
+                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", flash_attn: bool = True):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
+        self.flash_attn = flash_attn  # attention: online softmax (on) or materialized scores (off)
         self.k = resolve_type(type_k)(*shape, device=device)
         self.v = resolve_type(type_v)(*shape, device=device)
         self.n_layers, self.batch, self.n_ctx = n_layers, batch, n_ctx
@@ -92,5 +102,4 @@ class KVCache:
 
     @staticmethod
     def bytes_needed(n_layers: int, batch: int, kv_dim: int, n_ctx: int, type_k: str, type_v: str) -> int:
-        n = n_layers * batch * kv_dim * n_ctx
-        return resolve_type(type_k).bytes_for(n) + resolve_type(type_v).bytes_for(n)
+        return sum(resolve_type(t).nbytes_for(n_layers, batch, kv_dim, n_ctx) for t in (type_k, type_v))

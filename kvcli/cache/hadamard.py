@@ -1,0 +1,112 @@
+"""q4_hadamard: a Hadamard-rotated 4-bit cache (exllamav2's idea, QuaRot's random signs).
+
+The format, in one place. For each layer, sequence and KV head, a head vector x (D) is
+  1. rotated: r = R x, with R = H_D diag(s) / sqrt(D) (Walsh-Hadamard H_D, fixed random
+     signs s from seed 0): orthogonal, so dot products are kept and outliers spread out;
+  2. offset: y = r - c, where c (D, f32) is the mean of the rotated vectors of the first
+     stored batch past the sinks. Exact: softmax ignores a constant added to every score
+     of a query (keys), and its weights sum to 1 (values);
+  3. stored as q4_0-layout blocks of 32 (fp16 d, 16 bytes of nibbles, value = d (q - 8)),
+     with d chosen from a small grid plus a least-squares refit to minimise the block's
+     squared error (not ggml's max/-8).
+The first N_SINK positions (attention sinks) are also kept as rotated f16 and used in place
+of their 4-bit copy. Attention compares keys in the rotated space (q is rotated once) and
+rotates the value output back once. Bytes: 4.5 bits per element, plus sinks and offsets,
+all counted in `nbytes`.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvcli.cache.base import Store
+from kvcli.cache.ggml_blocks import GGML_BLOCKS, Q4_0Store, _f16_bytes, _pack_nibbles
+from kvcli.errors import KvcliError
+
+N_SINK = 4
+# Scales tried per block, as fractions of ggml's q4_0 scale |max| / 8, each refit by least squares.
+_SCALE_GRID = torch.linspace(0.70, 1.10, 9)
+
+
+def rotation(dim: int, seed: int = 0) -> torch.Tensor:
+    """(dim, dim) orthogonal R = H diag(s) / sqrt(dim); dim a power of two."""
+    if dim & (dim - 1):
+        raise KvcliError(f"q4_hadamard needs a power-of-two head size, got {dim}")
+    h = torch.ones(1, 1)
+    while h.shape[0] < dim:  # Sylvester's construction
+        h = torch.cat([torch.cat([h, h], 1), torch.cat([h, -h], 1)], 0)
+    signs = torch.randint(0, 2, (dim,), generator=torch.Generator().manual_seed(seed)).float() * 2 - 1
+    return h * signs / math.sqrt(dim)
+
+
+def quantize_q4_mse(x: torch.Tensor) -> torch.Tensor:
+    """(..., 32) f32 -> (..., 18) q4_0-layout blocks with a squared-error-minimising scale."""
+    amax = x.abs().amax(dim=-1, keepdim=True)  # (..., 1)
+    grid = _SCALE_GRID.to(x.device).view(-1, *([1] * x.dim()))  # (S, 1, ..., 1)
+    d = amax * grid / 8  # (S, ..., 1) candidate scales
+    q = (x / torch.where(d == 0, 1.0, d)).round().clamp(-8, 7)  # (S, ..., 32)
+    # least-squares refit of d for the chosen levels, then pick the candidate with least error
+    d = (q * x).sum(-1, keepdim=True) / (q * q).sum(-1, keepdim=True).clamp_min(1e-30)
+    d = d.half().float()  # the scale is stored as fp16: judge the error with that
+    err = ((x - d * q) ** 2).sum(-1, keepdim=True)  # (S, ..., 1)
+    best = err.argmin(dim=0, keepdim=True)
+    d = d.gather(0, best)[0]
+    q = q.gather(0, best.expand(1, *q.shape[1:]))[0]
+    return torch.cat([_f16_bytes(d), _pack_nibbles((q + 8).to(torch.uint8))], dim=-1)
+
+
+class HadamardQ4Store(Store):
+    name = "q4_hadamard"
+    block_size, block_bytes = GGML_BLOCKS["q4_0"]
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
+        self.rot = rotation(D).to(self.device)  # r = x @ rot.T
+        self.row_bytes = D // 32 * self.block_bytes
+        self.data = torch.zeros(L, B, H, n, self.row_bytes, dtype=torch.uint8, device=self.device)
+        self.sink = torch.zeros(L, B, H, min(N_SINK, n), D, dtype=torch.float16, device=self.device)
+        self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
+        self.offset_set = [False] * L
+
+    @classmethod
+    def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
+        per_layer = kv_dim * (n_ctx // 32 * cls.block_bytes + min(N_SINK, n_ctx) * 2 + 4)
+        return n_layers * batch * per_layer
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.sink, self.offset))
+
+    def to_storage(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.rot.T
+
+    def from_storage(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.rot
+
+    def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        B, T, H, D = x.shape
+        r = self.to_storage(x.float())  # (B, T, H, D)
+        if pos == 0:
+            self.offset_set[layer] = False  # a new sequence
+        if pos < N_SINK:
+            n = min(T, N_SINK - pos)
+            self.sink[layer, :, :, pos : pos + n] = r[:, :n].transpose(1, 2).half()
+        first = max(0, N_SINK - pos)
+        if not self.offset_set[layer] and first < T:
+            self.offset[layer] = r[:, first:].mean(dim=1, keepdim=True)
+            self.offset_set[layer] = True
+        blocks = quantize_q4_mse((r - self.offset[layer]).reshape(B, T, H, D // 32, 32))
+        self.data[layer, :, :, pos : pos + T] = blocks.reshape(B, T, H, self.row_bytes).transpose(1, 2)
+
+    def load(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Rotated-space vectors (B, H, end - start, D) f32."""
+        rows = self.data[layer, :, :, start:end]
+        blocks = rows.view(*rows.shape[:-1], self.head_dim // 32, self.block_bytes)
+        y = Q4_0Store.dequantize_blocks(blocks).reshape(*rows.shape[:-1], self.head_dim)
+        y = y + self.offset[layer].transpose(1, 2)  # (B, H, 1, D)
+        if start < N_SINK:
+            n = min(end, N_SINK) - start
+            y[:, :, :n] = self.sink[layer, :, :, start : start + n].float()
+        return y
