@@ -27,7 +27,7 @@ class Llama:
     def __init__(self, model_path: str | os.PathLike, ctx_size: int = 4096, dtype: str = "f16",
                  cache_type_k: str = "f16", cache_type_v: str = "f16", batch_size: int = 512,
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
-                 log: Callable[[str], None] | None = None):
+                 device: str = "cpu", log: Callable[[str], None] | None = None):
         if threads:
             torch.set_num_threads(threads)
         if dtype not in ("f32", "f16", "bf16"):
@@ -45,10 +45,13 @@ class Llama:
         t0 = time.perf_counter()
         names = list(expected_shapes(c)) + [n for n in optional_shapes(c) if n in self.gguf.tensors]
         weights = {n: torch.from_numpy(read_tensor(self.gguf, n)) for n in names}
-        self.model = Transformer(c, weights, dtype_from_name(dtype), self.n_ctx)
+        if device != "cpu" and not torch.cuda.is_available():
+            raise KvcliError(f"device {device!r} asked for, but torch sees no CUDA GPU")
+        self.device = device
+        self.model = Transformer(c, weights, dtype_from_name(dtype), self.n_ctx).to(device)
         del weights
         self.cache = KVCache(c.n_layers, n_seq, c.n_kv_heads, self.n_ctx, c.head_dim, cache_type_k, cache_type_v,
-                             flash_attn=flash_attn)
+                             device=device, flash_attn=flash_attn)
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
@@ -84,7 +87,7 @@ class Llama:
 
     def logits(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
         """Fresh cache, prefill `ids` (T,) or (B, T) in batches; all logits (T, V) or (B, T, V) f32."""
-        tokens = torch.as_tensor(ids, dtype=torch.long)
+        tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         single = tokens.dim() == 1
         tokens = tokens[None] if single else tokens
         if tokens.shape[0] > self.n_seq:
@@ -107,7 +110,7 @@ class Llama:
             raise KvcliError("nothing to evaluate: empty token list")
         if self.n_past + len(ids) > self.n_ctx:
             raise KvcliError(f"{self.n_past + len(ids)} tokens do not fit in the {self.n_ctx}-token context")
-        tokens = torch.as_tensor(ids, dtype=torch.long)[None]
+        tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device)[None]
         self._check_ids(tokens)
         for i in range(0, tokens.shape[1], self.batch_size):
             logits = self.model(tokens[:, i : i + self.batch_size], self.cache, self.n_past, last_only=True)

@@ -42,13 +42,16 @@ class Block(nn.Module):
         super().__init__()
         p = f"blk.{i}."
         self.c, self.layer = c, i
-        self.attn_norm = w[p + "attn_norm.weight"].float()
-        self.ffn_norm = w[p + "ffn_norm.weight"].float()
+        # Buffers, not parameters: no autograd, and .to(device) moves them.
+        self.register_buffer("attn_norm", w[p + "attn_norm.weight"].float(), persistent=False)
+        self.register_buffer("ffn_norm", w[p + "ffn_norm.weight"].float(), persistent=False)
         # Fused projections: one matmul for q,k,v and one for gate,up (fewer ops per token).
-        self.wqkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]]).to(dtype)
-        self.wo = w[p + "attn_output.weight"].to(dtype)
-        self.w_gate_up = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]]).to(dtype)
-        self.w_down = w[p + "ffn_down.weight"].to(dtype)
+        wqkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
+        self.register_buffer("wqkv", wqkv.to(dtype), persistent=False)
+        self.register_buffer("wo", w[p + "attn_output.weight"].to(dtype), persistent=False)
+        w_gate_up = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
+        self.register_buffer("w_gate_up", w_gate_up.to(dtype), persistent=False)
+        self.register_buffer("w_down", w[p + "ffn_down.weight"].to(dtype), persistent=False)
         self.dtype = dtype
         self.q_dim = c.n_heads * c.head_dim
 
@@ -72,13 +75,17 @@ class Transformer(nn.Module):
     def __init__(self, c: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, n_ctx: int):
         super().__init__()
         self.c, self.dtype = c, dtype
-        self.tok_embd = weights["token_embd.weight"].to(dtype)
+        self.register_buffer("tok_embd", weights["token_embd.weight"].to(dtype), persistent=False)
         # Tied embeddings: without output.weight the head reuses token_embd (as llama.cpp does).
         out = weights.get("output.weight")
-        self.output = self.tok_embd if out is None else out.to(dtype)
-        self.output_norm = weights["output_norm.weight"].float()
+        self.register_buffer("untied_output", None if out is None else out.to(dtype), persistent=False)
+        self.register_buffer("output_norm", weights["output_norm.weight"].float(), persistent=False)
         self.blocks = nn.ModuleList(Block(c, weights, i, dtype) for i in range(c.n_layers))
-        self.rot = rope_table(c, n_ctx, weights.get("rope_freqs.weight"))
+        self.register_buffer("rot", rope_table(c, n_ctx, weights.get("rope_freqs.weight")), persistent=False)
+
+    @property
+    def output(self) -> torch.Tensor:
+        return self.tok_embd if self.untied_output is None else self.untied_output
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache, pos: int, last_only: bool = False) -> torch.Tensor:
