@@ -44,11 +44,14 @@ class Llama:
 
         t0 = time.perf_counter()
         names = list(expected_shapes(c)) + [n for n in optional_shapes(c) if n in self.gguf.tensors]
-        weights = {n: torch.from_numpy(read_tensor(self.gguf, n)) for n in names}
+        compute = dtype_from_name(dtype)
+        # Matrices go to the compute dtype one by one (peak: one f32 matrix, not the model); norms stay f32.
+        weights = {n: (w if w.dim() == 1 else w.to(compute))
+                   for n in names for w in [torch.from_numpy(read_tensor(self.gguf, n))]}
         if device != "cpu" and not torch.cuda.is_available():
             raise KvcliError(f"device {device!r} asked for, but torch sees no CUDA GPU")
         self.device = device
-        self.model = Transformer(c, weights, dtype_from_name(dtype), self.n_ctx).to(device)
+        self.model = Transformer(c, weights, compute, self.n_ctx).to(device)
         del weights
         self.cache = KVCache(c.n_layers, n_seq, c.n_kv_heads, self.n_ctx, c.head_dim, cache_type_k, cache_type_v,
                              device=device, flash_attn=flash_attn)

@@ -98,6 +98,10 @@ def test_unsupported_tensor_type(hf, tmp_path):
     assert_clean_error(run("-m", p, "-p", "x"), "unsupported type", "Q8_1")
 
 
+def test_block_type_needs_divisible_head_size(tiny):
+    assert_clean_error(run("-m", tiny, "-p", "x", "-ctk", "q4_0"), "divisible by 32")
+
+
 def test_unknown_cache_type(tiny):
     assert_clean_error(run("-m", tiny, "-p", "x", "-ctk", "q3_9"), "unknown cache type", "f16")
 
@@ -140,3 +144,20 @@ def test_conversation_through_chat_template(default_model):
 def test_conversation_without_template(tiny):
     r = runner.invoke(app, ["run", "-m", str(tiny), "-cnv"], input="hi\n")
     assert r.exit_code == 1 and "chat template" in r.stderr
+
+
+def test_80k_context_q4_0_on_default_model(default_model):
+    r = runner.invoke(app, ["run", "-m", str(default_model), "-c", "80000", "-ctk", "q4_0", "-ctv", "q4_0",
+                            "-p", "The capital of France is", "-n", "4", "--temp", "0"])
+    assert r.exit_code == 0, r.output
+    # 30 layers x 80000 cells x 192 (kv_dim) x 4.5 bits, for K and again for V
+    exact = 2 * 30 * 80000 * 192 * 18 // 32
+    assert f"size = {exact / 2**20:7.2f} MiB ( 80000 cells,  30 layers" in r.stderr
+    assert "K (q4_0)" in r.stderr and "V (q4_0)" in r.stderr
+
+
+def test_flash_attn_flag(tiny):
+    on = run("-m", tiny, "-p", "the the", "-n", 6, "--temp", 0, "-fa", "on", "-ctv", "bf16")
+    off = run("-m", tiny, "-p", "the the", "-n", 6, "--temp", 0, "-fa", "off", "-ctv", "bf16")
+    assert on.exit_code == 0 and on.stdout == off.stdout
+    assert_clean_error(run("-m", tiny, "-p", "x", "-fa", "maybe"), "on, off or auto")

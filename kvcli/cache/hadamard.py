@@ -26,7 +26,7 @@ from kvcli.cache.ggml_blocks import GGML_BLOCKS, Q4_0Store, _f16_bytes, _pack_ni
 from kvcli.errors import KvcliError
 
 N_SINK = 4
-# Scales tried per block, as fractions of ggml's q4_0 scale |max| / 8, each refit by least squares.
+# Scales tried per block, as fractions of ggml's q4_0 scale max / -8, each refit by least squares.
 _SCALE_GRID = torch.linspace(0.70, 1.10, 9)
 
 
@@ -42,12 +42,14 @@ def rotation(dim: int, seed: int = 0) -> torch.Tensor:
 
 
 def quantize_q4_mse(x: torch.Tensor) -> torch.Tensor:
-    """(..., 32) f32 -> (..., 18) q4_0-layout blocks with a squared-error-minimising scale."""
-    amax = x.abs().amax(dim=-1, keepdim=True)  # (..., 1)
+    """(..., 32) f32 -> (..., 18) q4_0-layout blocks with a squared-error-minimising scale.
+
+    Candidates d = g * m / -8 (m: the signed value of largest magnitude; g = 1 is ggml's q4_0
+    choice, so the extreme may use level -8), each refit by least squares for its levels."""
+    m = x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))  # (..., 1)
     grid = _SCALE_GRID.to(x.device).view(-1, *([1] * x.dim()))  # (S, 1, ..., 1)
-    d = amax * grid / 8  # (S, ..., 1) candidate scales
+    d = m * grid / -8  # (S, ..., 1) candidate scales
     q = (x / torch.where(d == 0, 1.0, d)).round().clamp(-8, 7)  # (S, ..., 32)
-    # least-squares refit of d for the chosen levels, then pick the candidate with least error
     d = (q * x).sum(-1, keepdim=True) / (q * q).sum(-1, keepdim=True).clamp_min(1e-30)
     d = d.half().float()  # the scale is stored as fp16: judge the error with that
     err = ((x - d * q) ** 2).sum(-1, keepdim=True)  # (S, ..., 1)
@@ -73,7 +75,7 @@ class HadamardQ4Store(Store):
 
     @classmethod
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
-        per_layer = kv_dim * (n_ctx // 32 * cls.block_bytes + min(N_SINK, n_ctx) * 2 + 4)
+        per_layer = n_ctx * kv_dim // 32 * cls.block_bytes + kv_dim * (min(N_SINK, n_ctx) * 2 + 4)
         return n_layers * batch * per_layer
 
     def nbytes(self) -> int:

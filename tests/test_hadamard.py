@@ -1,0 +1,82 @@
+"""q4_hadamard: rotation, scale search, sinks, offsets, byte count, and attention in the rotated space."""
+
+import torch
+
+from kvcli.cache import KVCache, resolve_type
+from kvcli.cache.ggml_blocks import Q4_0Store
+from kvcli.cache.hadamard import N_SINK, quantize_q4_mse, rotation
+from kvcli.llama import Llama
+from tiny import make_hf_model, write_gguf
+
+
+def test_rotation_is_orthogonal():
+    for d in (32, 64, 128):
+        r = rotation(d)
+        assert torch.allclose(r @ r.T, torch.eye(d), atol=1e-5)
+
+
+def test_mse_scale_never_worse_than_ggml_q4_0():
+    x = torch.randn(4096, 32) * torch.rand(4096, 1) * 10
+    ours = Q4_0Store.dequantize_blocks(quantize_q4_mse(x))
+    ggml = Q4_0Store.dequantize_blocks(Q4_0Store.quantize_blocks(x))
+    err_ours, err_ggml = ((x - ours) ** 2).sum(-1), ((x - ggml) ** 2).sum(-1)
+    assert (err_ours <= err_ggml * 1.01 + 1e-6).all()  # 1%: the refit scale is rounded to fp16 too
+    assert err_ours.mean() < 0.9 * err_ggml.mean()
+
+
+def test_bytes_counted_and_planned():
+    L, B, H, n, D = 3, 2, 4, 100, 64
+    store = resolve_type("q4_hadamard")(L, B, H, n, D)
+    assert store.nbytes() == L * B * H * (n * D // 32 * 18 + N_SINK * D * 2 + D * 4)
+    assert store.nbytes() == type(store).nbytes_for(L, B, H * D, n)
+    assert store.bits_per_element() == 4.5
+    assert resolve_type("q4").name == "q4_hadamard" and resolve_type("q8").name == "q8_0"
+
+
+def test_round_trip_in_rotated_space_sinks_exactish():
+    torch.manual_seed(0)
+    store = resolve_type("q4_hadamard")(1, 1, 2, 40, 64)
+    x = torch.randn(1, 40, 2, 64) + 3.0  # an offset the store should take out
+    store.store(0, x[:, :10], 0)
+    store.store(0, x[:, 10:], 10)
+    back = store.from_storage(store.load(0, 0, 40)).transpose(1, 2)  # (1, 40, 2, 64)
+    assert torch.allclose(back[:, :N_SINK], x[:, :N_SINK], atol=1e-2)  # sinks: f16
+    rel = (back - x).norm() / x.norm()
+    assert rel < 0.05, rel
+
+
+def test_flash_on_off_and_chunked_equal(monkeypatch, tmp_path):
+    import kvcli.attention
+
+    hf = make_hf_model(n_heads=4, n_kv_heads=2, hidden=128)
+    path = write_gguf(hf, tmp_path / "t.gguf")
+    ids = list(range(3, 60))
+    outs = []
+    for flash in (True, False):
+        llm = Llama(path, ctx_size=64, dtype="f32", cache_type_k="q4_hadamard", cache_type_v="q4_0", flash_attn=flash)
+        outs.append(llm.logits(ids))
+    monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 8)
+    monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 1)
+    for flash in (True, False):
+        llm = Llama(path, ctx_size=64, dtype="f32", cache_type_k="q4_hadamard", cache_type_v="q4_0", flash_attn=flash)
+        outs.append(llm.logits(ids))
+    for o in outs[1:]:
+        assert (o - outs[0]).abs().max() < 1e-4
+
+
+def test_hadamard_closer_than_plain_q4_0(tmp_path):
+    hf = make_hf_model(n_heads=4, n_kv_heads=2, hidden=128, seed=3)
+    path = write_gguf(hf, tmp_path / "t.gguf")
+    ids = list(range(3, 60))
+    ref = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32").logits(ids)
+    err = {}
+    for t in ("q4_0", "q4_hadamard", "q8_0"):
+        got = Llama(path, ctx_size=64, dtype="f32", cache_type_k=t, cache_type_v=t).logits(ids)
+        err[t] = (got - ref).abs().mean().item()
+    assert err["q8_0"] < err["q4_hadamard"] < err["q4_0"], err
+
+
+def test_kv_cache_describe_counts_all_bytes():
+    cache = KVCache(2, 1, 3, 128, 64, "q4_hadamard", "q8_0")
+    assert cache.nbytes() == KVCache.bytes_needed(2, 1, 3 * 64, 128, "q4_hadamard", "q8_0")
+    assert "K (q4_hadamard)" in cache.describe() and "V (q8_0)" in cache.describe()
