@@ -22,6 +22,12 @@ MIN_CHUNK = 256
 
 def attend(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
     """q (B, T, H, D) f32 at positions pos..pos+T-1 -> (B, T, H * D) f32."""
+    if q.is_cuda:  # Triton kernels; imported here so CPU users never import triton
+        from kernels.dispatch import attend_cuda
+
+        out = attend_cuda(q, cache, layer, pos)
+        if out is not None:
+            return out
     return attend_reference(q, cache, layer, pos, flash=cache.flash_attn)
 
 

@@ -19,6 +19,11 @@ class DenseStore(Store):
         return self.data.numel() * self.data.element_size()
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        if x.is_cuda:  # Triton write kernel (kernels/quantize.py); triton is imported only here
+            from kernels.quantize import quantize_into
+
+            quantize_into(self.name, x, self.data[layer], pos)
+            return
         self.data[layer, :, :, pos : pos + x.shape[1]] = x.transpose(1, 2)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:

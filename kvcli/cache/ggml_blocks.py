@@ -97,6 +97,11 @@ class GgmlBlockStore(Store):
         return self.data.numel()
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        if x.is_cuda:  # Triton quantize-on-write (kernels/quantize.py), byte-equal to quantize_blocks
+            from kernels.quantize import quantize_into
+
+            quantize_into(self.name, x, self.data[layer], pos)
+            return
         B, T, H, D = x.shape
         blocks = self.quantize_blocks(x.float().reshape(B, T, H, D // self.block_size, self.block_size))
         # (B, T, H, nb, bytes) -> (B, H, T, row_bytes): quantize before the transpose, on fewer bytes

@@ -88,6 +88,11 @@ class HadamardQ4Store(Store):
         return x @ self.rot
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        if x.is_cuda:  # the same steps with the 4-bit write in Triton (kernels/quantize.py)
+            from kernels.quantize import store_hadamard
+
+            store_hadamard(self, layer, x, pos)
+            return
         B, T, H, D = x.shape
         r = self.to_storage(x.float())  # (B, T, H, D)
         if pos == 0:

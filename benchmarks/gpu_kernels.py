@@ -1,0 +1,110 @@
+"""On a CUDA machine: check every Triton kernel against its reference on real shapes, then time
+decode attention at depths 4096 and 32768 (one layer, Llama-3-8B heads: 32 q / 8 kv, D = 128).
+
+    python benchmarks/gpu_kernels.py            # checks + timings, about a minute
+    python benchmarks/gpu_kernels.py --no-check # timings only
+
+Prints figures only (never asserted in tests); exits 1 if a check fails.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+import torch
+
+ALL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_hadamard"]
+H, HKV, D = 32, 8, 128
+
+
+def check(types) -> bool:
+    from kernels.attention import attend_kernel, attend_reference
+    from kernels.quantize import quantize_into, quantize_reference
+    from kvcli.cache import KVCache
+
+    ok = True
+    g = torch.Generator(device="cuda").manual_seed(0)
+    for kind in types:
+        # quantize-on-write: a 512-token prefill of one layer, bytes against the PyTorch reference (on GPU)
+        x = torch.randn(1, 512, HKV, D, device="cuda", generator=g) * 3
+        cache = KVCache(1, 1, HKV, 1024, D, kind, kind, device="cuda")
+        dst = cache.k.data[0]
+        out, ref = torch.zeros_like(dst), torch.zeros_like(dst)
+        quantize_into(kind, x, out, 0)
+        quantize_reference(kind, x, ref, 0)
+        same = (out.view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
+        # attention: decode at depth 1000 and a 24-token prefill, kernel against the reference
+        k, v = (torch.randn(1, 1000, HKV, D, device="cuda", generator=g) for _ in range(2))
+        cache.store(0, k, v, 0)  # through the stores' CUDA branch (the kernels)
+        q1 = torch.randn(1, 1, H, D, device="cuda", generator=g)
+        qp = torch.randn(1, 24, H, D, device="cuda", generator=g)
+        e1 = (attend_kernel(q1, cache, 0, 999) - attend_reference(q1, cache, 0, 999)).abs().max().item()
+        ep = (attend_kernel(qp, cache, 0, 976) - attend_reference(qp, cache, 0, 976)).abs().max().item()
+        good = same == 1.0 and e1 < 1e-3 and ep < 1e-3
+        ok &= good
+        print(f"{kind:12s} quantize bytes equal {same * 100:8.4f}%   decode max|err| {e1:.2e}   "
+              f"prefill max|err| {ep:.2e}   {'ok' if good else 'FAIL'}")
+    return ok
+
+
+def timed(fn, reps: int = 50) -> float:
+    for _ in range(5):
+        fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps / 1e3  # seconds per call
+
+
+def bench(types, depths) -> None:
+    from kernels.attention import attend_kernel
+    from kvcli.attention import attend_reference
+    from kvcli.cache import KVCache
+
+    print(f"\ndecode attention, one layer, B=1, {H} q heads / {HKV} kv heads, D={D}, {torch.cuda.get_device_name()}")
+    print(f"{'type':12s} {'depth':>6s} {'kernel us':>10s} {'GB/s':>8s} {'reference us':>13s} {'layer-tok/s':>12s}")
+    for depth in depths:
+        for kind in types:
+            cache = KVCache(1, 1, HKV, depth + 1, D, kind, kind, device="cuda")
+            for c0 in range(0, depth, 4096):  # fill in chunks (bounded scratch)
+                n = min(4096, depth - c0)
+                cache.store(0, torch.randn(1, n, HKV, D, device="cuda"), torch.randn(1, n, HKV, D, device="cuda"), c0)
+            q = torch.randn(1, 1, H, D, device="cuda")
+            pos = depth - 1
+            t = timed(lambda: attend_kernel(q, cache, 0, pos))
+            t_ref = timed(lambda: attend_reference(q, cache, 0, pos), reps=5)
+            read = cache.nbytes() * depth / (depth + 1)  # K and V bytes of the positions attended
+            print(f"{kind:12s} {depth:6d} {t * 1e6:10.1f} {read / t / 1e9:8.1f} {t_ref * 1e6:13.1f} {1 / t:12.0f}")
+    # a bandwidth yardstick: torch's fused attention over a dense f16 K/V (repeated for GQA)
+    for depth in depths:
+        k = torch.randn(1, H, depth, D, device="cuda", dtype=torch.float16)
+        v = torch.randn_like(k)
+        q = torch.randn(1, H, 1, D, device="cuda", dtype=torch.float16)
+        t = timed(lambda: torch.nn.functional.scaled_dot_product_attention(q, k, v))
+        print(f"{'sdpa f16 MHA':12s} {depth:6d} {t * 1e6:10.1f} {2 * k.numel() * 2 / t / 1e9:8.1f}")
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--no-check", action="store_true")
+    ap.add_argument("--depths", type=int, nargs="+", default=[4096, 32768])
+    ap.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_0", "q4_hadamard"])
+    args = ap.parse_args()
+    if not torch.cuda.is_available():
+        print("no CUDA device: this script is for a GPU machine")
+        return 2
+    t0 = time.time()
+    ok = True if args.no_check else check(ALL_TYPES)
+    bench(args.types, args.depths)
+    print(f"\n{'all checks passed' if ok else 'SOME CHECKS FAILED'} ({time.time() - t0:.0f} s)")
+    return 0 if ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,229 @@
+"""Attention over the packed cache: flash-decoding (T = 1) and prefill (T > 1) Triton kernels.
+
+One kernel serves both. A program owns one (batch, KV head), a block of BLOCK_M query rows of
+that head's group and one split of the key positions; rows are r = t * G + g (G query heads
+per KV head, GQA without repeating K/V), row r sits at position pos + r // G and sees keys
+j <= pos + r // G. K and V tiles (BLOCK_N positions x D) are read as stored, packed ggml
+blocks or dense f16/bf16/f32, dequantized in registers, and folded into an online softmax
+(FlashAttention's recurrence, base 2). Decode splits the positions across programs
+(flash-decoding) and a second kernel merges the splits' (max, sum, output); prefill uses one
+split. q4_hadamard: q arrives rotated (`cache.k.to_storage`), positions < N_SINK are read
+from the f16 sink tensor, the per-head offset is added after dequantization, and the output
+is rotated back by `cache.v.from_storage`.
+
+Reference: `attend_reference` below, same signature: the library's PyTorch path.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.quantize import KINDS, _table
+from kvcli.attention import attend_reference as _library_reference
+
+LOG2E = 1.4426950408889634
+N_SINK = 4  # kvcli.cache.hadamard.N_SINK; checked at launch
+
+
+@triton.jit
+def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, off_ptr,
+               KIND: tl.constexpr, D: tl.constexpr, NSINK: tl.constexpr):
+    """(BLOCK_N, DP) f32: positions offs_n of one (b, head); rows = their offsets (elements or bytes).
+
+    One constexpr if/elif chain and a single return: the compiler sees only the taken branch."""
+    emask = e < D
+    m2 = nmask[:, None] & emask[None, :]
+    blk = e // 32
+    jw = e % 32
+    if KIND <= 2:  # dense f32 / f16 / bf16
+        x = tl.load(ptr + rows[:, None] + e[None, :], mask=m2, other=0.0).to(tl.float32)
+    elif KIND == 3:  # q8_0: fp16 d, 32 x int8
+        at = rows[:, None] + (blk * 34)[None, :]
+        d = tl.load(ptr16 + at // 2, mask=m2, other=0.0).to(tl.float32)
+        qv = tl.load(ptr + at + 2 + jw[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
+        x = qv.to(tl.float32) * d
+    elif KIND == 5 or KIND == 7:  # q4_1 / q5_1: fp16 d, fp16 m, [4 bytes qh], nibbles
+        BB1: tl.constexpr = 20 if KIND == 5 else 24
+        NIB1: tl.constexpr = 4 if KIND == 5 else 8
+        at = rows[:, None] + (blk * BB1)[None, :]
+        d = tl.load(ptr16 + at // 2, mask=m2, other=0.0).to(tl.float32)
+        mn = tl.load(ptr16 + at // 2 + 1, mask=m2, other=0.0).to(tl.float32)
+        byte = tl.load(ptr + at + NIB1 + (jw % 16)[None, :], mask=m2, other=0).to(tl.int32)
+        q = (byte >> ((jw // 16) * 4)[None, :]) & 15
+        if KIND == 7:
+            qh = tl.load(ptr + at + 4 + (jw // 8)[None, :], mask=m2, other=0).to(tl.int32)
+            q = q | (((qh >> (jw % 8)[None, :]) & 1) << 4)
+        x = d * q.to(tl.float32) + mn
+    else:  # q4_0, q5_0, iq4_nl, q4_hadamard: fp16 d, [4 bytes qh], nibbles
+        BB0: tl.constexpr = 22 if KIND == 6 else 18
+        NIB0: tl.constexpr = 6 if KIND == 6 else 2
+        at = rows[:, None] + (blk * BB0)[None, :]
+        d = tl.load(ptr16 + at // 2, mask=m2, other=0.0).to(tl.float32)
+        byte = tl.load(ptr + at + NIB0 + (jw % 16)[None, :], mask=m2, other=0).to(tl.int32)
+        q = (byte >> ((jw // 16) * 4)[None, :]) & 15
+        if KIND == 6:
+            qh = tl.load(ptr + at + 2 + (jw // 8)[None, :], mask=m2, other=0).to(tl.int32)
+            q = q | (((qh >> (jw % 8)[None, :]) & 1) << 4)
+            x = d * (q.to(tl.float32) - 16.0)
+        elif KIND == 8:
+            x = d * tl.load(tab_ptr + q)
+        else:
+            x = d * (q.to(tl.float32) - 8.0)
+            if KIND == 9:  # rotated, offset-subtracted: add the per-head offset; sinks from f16
+                x = x + tl.load(off_ptr + e, mask=emask, other=0.0)[None, :]
+                is_sink = offs_n < NSINK
+                sink = tl.load(sink_ptr + offs_n[:, None] * s_sink_n + e[None, :], mask=m2 & is_sink[:, None],
+                               other=0.0)
+                x = tl.where(is_sink[:, None], sink.to(tl.float32), x)
+    return x
+
+
+@triton.jit
+def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
+                 k_ptr, k16_ptr, sk_b, sk_h, sk_n, ks_ptr, sks_b, sks_h, sks_n, ko_ptr, sko_b, sko_h,
+                 v_ptr, v16_ptr, sv_b, sv_h, sv_n, vs_ptr, svs_b, svs_h, svs_n, vo_ptr, svo_b, svo_h,
+                 tab_ptr, o_ptr, ml_ptr, Hkv, M, G, pos, n_keys, split_len, S,
+                 KK: tl.constexpr, VK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSINK: tl.constexpr):
+    pid_bh = tl.program_id(0)
+    pid_m = tl.program_id(1)
+    pid_s = tl.program_id(2)
+    b = (pid_bh // Hkv).to(tl.int64)
+    h = (pid_bh % Hkv).to(tl.int64)
+    r = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    rmask = r < M
+    e = tl.arange(0, DP)
+    q_pos = pos + r // G  # (BLOCK_M,)
+    q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_r + e[None, :],
+                mask=rmask[:, None] & (e < D)[None, :], other=0.0)  # pre-scaled by log2(e) / sqrt(D)
+    start = pid_s * split_len
+    last_pos = pos + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1) // G  # causal: no key past it
+    end = tl.minimum(tl.minimum(start + split_len, n_keys), last_pos + 1)
+    m_i = tl.full([BLOCK_M], -1.0e30, tl.float32)  # finite: fully masked rows give p = 0, not NaN
+    l_i = tl.zeros([BLOCK_M], tl.float32)
+    acc = tl.zeros([BLOCK_M, DP], tl.float32)
+    k_base = b * sk_b + h * sk_h
+    v_base = b * sv_b + h * sv_h
+    for n0 in tl.range(start, end, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        nmask = offs_n < end
+        k = _load_tile(k_ptr, k16_ptr, k_base + offs_n.to(tl.int64) * sk_n, nmask, e, offs_n, tab_ptr,
+                       ks_ptr + b * sks_b + h * sks_h, sks_n, ko_ptr + b * sko_b + h * sko_h, KK, D, NSINK)
+        s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
+        visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
+        s = tl.where(visible, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        v = _load_tile(v_ptr, v16_ptr, v_base + offs_n.to(tl.int64) * sv_n, nmask, e, offs_n, tab_ptr,
+                       vs_ptr + b * svs_b + h * svs_h, svs_n, vo_ptr + b * svo_b + h * svo_h, VK, D, NSINK)
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+        m_i = m_new
+    out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
+    # o: (B, Hkv, S, M, DP) contiguous; ml: (B, Hkv, S, M, 2) = (max, sum) of each split
+    row = (pid_bh * S + pid_s).to(tl.int64) * M + r
+    tl.store(o_ptr + row[:, None] * DP + e[None, :], out, mask=rmask[:, None])
+    tl.store(ml_ptr + row * 2, m_i, mask=rmask)
+    tl.store(ml_ptr + row * 2 + 1, l_i, mask=rmask)
+
+
+@triton.jit
+def _split_reduce_kernel(o_ptr, ml_ptr, out_ptr, M, S, SP: tl.constexpr, DP: tl.constexpr):
+    """Merge the splits of one (b, head, row): weights 2^(m_s - max m) l_s over the normalized outputs."""
+    pid_bh = tl.program_id(0)
+    r = tl.program_id(1)
+    s = tl.arange(0, SP)
+    e = tl.arange(0, DP)
+    row = (pid_bh * S + s).to(tl.int64) * M + r  # (SP,)
+    smask = s < S
+    m = tl.load(ml_ptr + row * 2, mask=smask, other=float("-inf"))
+    l = tl.load(ml_ptr + row * 2 + 1, mask=smask, other=0.0)
+    w = tl.exp2(m - tl.max(m, 0)) * l
+    o = tl.load(o_ptr + row[:, None] * DP + e[None, :], mask=smask[:, None], other=0.0)
+    out = tl.sum(w[:, None] * o, 0) / tl.sum(w, 0)
+    tl.store(out_ptr + (pid_bh.to(tl.int64) * M + r) * DP + e, out)
+
+
+def _store_args(store, layer: int):
+    """Pointer and stride arguments of one store's layer: data, fp16 view, sink, offset."""
+    data = store.data[layer]  # (B, H, n_ctx, D or row_bytes)
+    dense = store.name in ("f32", "f16", "bf16")
+    data16 = data if dense else data.view(torch.float16)
+    if store.name == "q4_hadamard":
+        sink = store.sink[layer]  # (B, H, n_sink, D) f16
+        off = store.offset[layer]  # (B, 1, H, D) f32
+        extra = (sink, sink.stride(0), sink.stride(1), sink.stride(2), off, off.stride(0), off.stride(2))
+    else:
+        extra = (data, 0, 0, 0, data, 0, 0)  # unused
+    return (data, data16, data.stride(0), data.stride(1), data.stride(2)) + extra
+
+
+def supported(cache, q: torch.Tensor) -> bool:
+    """Whether the kernels handle this K/V type pair and head size."""
+    D = q.shape[-1]
+    packed = any(s.name not in ("f32", "f16", "bf16") for s in (cache.k, cache.v))
+    return (cache.k.name in KINDS and cache.v.name in KINDS and hasattr(cache.k, "data")
+            and hasattr(cache.v, "data") and (not packed or D % 32 == 0))
+
+
+def attend_kernel(q: torch.Tensor, cache, layer: int, pos: int, num_splits: int | None = None,
+                  block_n: int | None = None) -> torch.Tensor:
+    """q (B, T, H, D) f32 at positions pos..pos+T-1 -> (B, T, H * D) f32, through the Triton kernels.
+
+    Runs wherever triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1). T = 1 is
+    flash-decoding with `num_splits` splits (default: enough programs to fill the GPU).
+    """
+    from kvcli.cache.hadamard import N_SINK as STORE_N_SINK
+
+    assert STORE_N_SINK == N_SINK
+    B, T, H, D = q.shape
+    Hkv = cache.k.n_heads
+    G = H // Hkv
+    M = T * G
+    DP = triton.next_power_of_2(D)
+    # rows r = t * G + g of each KV head: (B, Hkv, T*G, D); scale folded with log2(e) for exp2
+    qg = q.float().reshape(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, M, D)
+    qg = (cache.k.to_storage(qg) * (LOG2E / math.sqrt(D))).contiguous()
+    n_keys = pos + T
+    if T == 1:
+        block_m = max(16, triton.next_power_of_2(M))
+        block_n = block_n or 64
+        n_blocks = triton.cdiv(n_keys, block_n)
+        if num_splits is None:
+            sms = torch.cuda.get_device_properties(q.device).multi_processor_count if q.is_cuda else 4
+            num_splits = triton.cdiv(2 * sms, B * Hkv)
+        num_splits = max(1, min(num_splits, n_blocks))
+    else:
+        block_m = 64 if M >= 64 else max(16, triton.next_power_of_2(M))
+        block_n = block_n or 32
+        num_splits = 1
+    split_len = triton.cdiv(triton.cdiv(n_keys, num_splits), block_n) * block_n
+    S = triton.cdiv(n_keys, split_len)
+    o = torch.empty(B, Hkv, S, M, DP, device=q.device, dtype=torch.float32)
+    ml = torch.empty(B, Hkv, S, M, 2, device=q.device, dtype=torch.float32)
+    tab = _table("iq4_nl", q.device)
+    grid = (B * Hkv, triton.cdiv(M, block_m), S)
+    _attn_kernel[grid](qg, qg.stride(0), qg.stride(1), qg.stride(2),
+                       *_store_args(cache.k, layer), *_store_args(cache.v, layer),
+                       tab, o, ml, Hkv, M, G, pos, n_keys, split_len, S,
+                       KK=KINDS[cache.k.name], VK=KINDS[cache.v.name], D=D, DP=DP,
+                       BLOCK_M=block_m, BLOCK_N=block_n, NSINK=N_SINK, num_warps=4)
+    if S == 1:
+        out = o[:, :, 0]
+    else:
+        out = torch.empty(B, Hkv, M, DP, device=q.device, dtype=torch.float32)
+        _split_reduce_kernel[(B * Hkv, M)](o, ml, out, M, S, SP=triton.next_power_of_2(S), DP=DP)
+    out = cache.v.from_storage(out[..., :D])
+    # (B, Hkv, T, G, D) -> (B, T, H * D)
+    return out.reshape(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, H * D)
+
+
+def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, num_splits: int | None = None,
+                     block_n: int | None = None) -> torch.Tensor:
+    """The PyTorch reference of `attend_kernel` (split and block sizes do not change the math)."""
+    return _library_reference(q, cache, layer, pos, flash=True)

@@ -1,0 +1,297 @@
+"""Quantize-on-write: Triton kernels that write a cache store's rows straight from f32 K/V.
+
+One program per head vector (b, t, h): it reads D f32 values and writes the row at position
+pos + t of `data[layer]` (B, Hkv, n_ctx, row_bytes) uint8 in ggml's block layout
+(ggml-common.h), or (B, Hkv, n_ctx, D) for the dense types. A block of 32 is handled as two
+halves of 16 (elements j and j + 16 share a byte: ggml's nibble order).
+
+References: the stores' own PyTorch quantizers (`Q8_0Store.quantize_blocks`, ...,
+`kvcli.cache.hadamard.quantize_q4_mse`), reached through `quantize_reference`. The kernels
+mirror their f32 arithmetic op for op (IEEE division via `div_rn`, no FMA contraction on GPU:
+launched with enable_fp_fusion=False), so ggml types are byte-exact. q4_hadamard's scale is
+a least-squares refit whose 32-term sums torch orders its own way: bytes can differ on rare
+blocks where the f32 sum rounds across an f16 boundary; the squared error matches.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kvcli.cache.ggml_blocks import GGML_BLOCKS, KVALUES_IQ4NL, GgmlBlockStore
+from kvcli.cache.base import STORAGE_TYPES
+
+# constexpr KIND of each block type (the attention kernels use the same numbers)
+KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7,
+         "iq4_nl": 8, "q4_hadamard": 9}
+_BLOCK_BYTES = {**{k: v[1] for k, v in GGML_BLOCKS.items()}, "q4_hadamard": 18}
+
+_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+
+
+def _table(name: str, device) -> torch.Tensor:
+    """Small f32 constant tables (iq4_nl codebook, q4_hadamard scale grid) on `device`, cached."""
+    key = (name, torch.device(device))
+    if key not in _tables:
+        if name == "iq4_nl":
+            t = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32)
+        else:
+            from kvcli.cache.hadamard import _SCALE_GRID
+            t = _SCALE_GRID.float().clone()
+        _tables[key] = t.to(device)
+    return _tables[key]
+
+
+@triton.jit
+def _div(a, b):
+    """IEEE-rounded a / b of two equal-shaped f32 tensors (div_rn neither broadcasts nor takes floats)."""
+    return tl.math.div_rn(a, b)
+
+
+@triton.jit
+def _div_c(a, c: tl.constexpr):
+    """IEEE-rounded a / c for a constant c."""
+    return tl.math.div_rn(a, tl.full(a.shape, c, tl.float32))
+
+
+@triton.jit
+def _inverse(d):
+    """ggml's `id = d ? 1.0f/d : 0.0f` (the zero lanes divide by 1, not 0)."""
+    return tl.where(d == 0.0, 0.0, tl.math.div_rn(tl.full(d.shape, 1.0, tl.float32), tl.where(d == 0.0, 1.0, d)))
+
+
+@triton.jit
+def _rne(v):
+    """Round half to even (torch.round) for |v| < 2^22: floor(v + 0.5), minus 1 on odd ties."""
+    r = tl.floor(v + 0.5)
+    odd_tie = ((r - v) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) == 1.0)
+    return tl.where(odd_tie, r - 1.0, r)
+
+
+@triton.jit
+def _round_away(v):
+    """(int)roundf(v), halves away from zero: trunc(v) + trunc(2 (v - trunc(v))), as the reference."""
+    t = v.to(tl.int32).to(tl.float32)
+    return t + (2.0 * (v - t)).to(tl.int32).to(tl.float32)
+
+
+@triton.jit
+def _iq4_index(al, cb_ptr):
+    """best_index_int8: the bracketing codebook pair (bucketize, right=True), nearer wins, ties up."""
+    count = tl.zeros(al.shape, dtype=tl.int32)
+    for k in tl.static_range(16):
+        count += (al >= tl.load(cb_ptr + k)).to(tl.int32)
+    hi = tl.minimum(tl.maximum(count, 1), 15)
+    lo = hi - 1
+    return tl.where(al - tl.load(cb_ptr + lo) < tl.load(cb_ptr + hi) - al, lo, hi)
+
+
+@triton.jit
+def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, tab_ptr, pos, T, H,
+                     KIND: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % H
+    t = (pid // H) % T
+    b = pid // (H * T)
+    blk = tl.arange(0, NBP)  # (NBP,) blocks of the row
+    j = tl.arange(0, 16)  # (16,) element of the half block
+    bmask = blk < NB
+    m2 = bmask[:, None]
+    xrow = x_ptr + b.to(tl.int64) * sxb + t.to(tl.int64) * sxt + h.to(tl.int64) * sxh
+    e_lo = blk[:, None] * 32 + j[None, :]  # (NBP, 16): elements j; e_lo + 16: elements j + 16
+    x_lo = tl.load(xrow + e_lo, mask=m2, other=0.0)
+    x_hi = tl.load(xrow + e_lo + 16, mask=m2, other=0.0)
+    row = b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + (pos + t).to(tl.int64) * sdn  # byte offset
+    blk_at = row + blk * BB  # (NBP,) byte offset of each block
+    amax = tl.maximum(tl.max(tl.abs(x_lo), 1), tl.max(tl.abs(x_hi), 1))  # (NBP,)
+    if KIND == 3:  # q8_0: d = amax / 127, q = roundf(x / d)
+        d = _div_c(amax, 127.0)
+        idn = _inverse(d)[:, None]
+        q_lo = _round_away(x_lo * idn).to(tl.int8)
+        q_hi = _round_away(x_hi * idn).to(tl.int8)
+        tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
+        tl.store(dst_ptr + blk_at[:, None] + 2 + j[None, :], q_lo.to(tl.uint8, bitcast=True), mask=m2)
+        tl.store(dst_ptr + blk_at[:, None] + 18 + j[None, :], q_hi.to(tl.uint8, bitcast=True), mask=m2)
+    elif KIND == 5 or KIND == 7:  # q4_1 / q5_1: d = (max - min) / (2^bits - 1), m = min
+        lo = tl.minimum(tl.min(x_lo, 1), tl.min(x_hi, 1))
+        hi = tl.maximum(tl.max(x_lo, 1), tl.max(x_hi, 1))
+        QMAX: tl.constexpr = 15.0 if KIND == 5 else 31.0
+        d = _div_c(hi - lo, QMAX)
+        idn = _inverse(d)[:, None]
+        q_lo = tl.minimum(tl.maximum((x_lo - lo[:, None]) * idn + 0.5, 0.0), QMAX).to(tl.uint8)
+        q_hi = tl.minimum(tl.maximum((x_hi - lo[:, None]) * idn + 0.5, 0.0), QMAX).to(tl.uint8)
+        tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
+        tl.store(dst16_ptr + blk_at // 2 + 1, lo.to(tl.float16), mask=bmask)
+        _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, 4, KIND == 7)
+    elif KIND == 8:  # iq4_nl: nearest codebook entry for x / (max / -127), then the weighted LSQ scale
+        mx = _signed_absmax(x_lo, x_hi, amax, j)
+        live = tl.abs(mx) >= 1e-15
+        inv = tl.where(live, _inverse(_div_c(tl.where(live, mx, 1.0), -127.0)), 0.0)
+        i_lo = _iq4_index(x_lo * inv[:, None], tab_ptr)  # (NBP, 16) codebook indices
+        i_hi = _iq4_index(x_hi * inv[:, None], tab_ptr)
+        v_lo = tl.load(tab_ptr + i_lo)
+        v_hi = tl.load(tab_ptr + i_hi)
+        wq_lo = (x_lo * x_lo) * v_lo  # weight w = x^2; C evaluates w*q*x as (w*q)*x
+        wq_hi = (x_hi * x_hi) * v_hi
+        sumqx = tl.zeros([NBP], dtype=tl.float32)
+        sumq2 = tl.zeros([NBP], dtype=tl.float32)
+        for half in tl.static_range(2):  # ggml's f32 sums in element order: pick term jj (a sum of one)
+            for jj in tl.static_range(16):
+                wq = wq_lo if half == 0 else wq_hi
+                xv = x_lo if half == 0 else x_hi
+                vv = v_lo if half == 0 else v_hi
+                sel = j[None, :] == jj
+                sumqx = sumqx + tl.sum(tl.where(sel, wq * xv, 0.0), 1)
+                sumq2 = sumq2 + tl.sum(tl.where(sel, wq * vv, 0.0), 1)
+        d = tl.where(live & (sumq2 > 0.0), _div(sumqx, tl.where(sumq2 > 0.0, sumq2, 1.0)), 0.0)
+        i_lo = tl.where(live[:, None], i_lo, 0).to(tl.uint8)
+        i_hi = tl.where(live[:, None], i_hi, 0).to(tl.uint8)
+        tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
+        tl.store(dst_ptr + blk_at[:, None] + 2 + j[None, :], i_lo | (i_hi << 4), mask=m2)
+    elif KIND == 9:  # q4_hadamard: q4_0 layout; scales g * max / -8 over a grid, refit by least squares
+        best_err = tl.full([NBP], float("inf"), tl.float32)
+        best_g = tl.zeros([NBP], dtype=tl.float32)
+        best_d = tl.zeros([NBP], dtype=tl.float32)
+        mx = _signed_absmax(x_lo, x_hi, amax, j)
+        for s in tl.static_range(9):
+            g = tl.load(tab_ptr + s)
+            d0 = (mx * g) / -8.0
+            dd = tl.broadcast_to(tl.where(d0 == 0.0, 1.0, d0)[:, None], [NBP, 16])
+            q_lo = tl.minimum(tl.maximum(_rne(_div(x_lo, dd)), -8.0), 7.0)
+            q_hi = tl.minimum(tl.maximum(_rne(_div(x_hi, dd)), -8.0), 7.0)
+            num = tl.sum(q_lo * x_lo, 1) + tl.sum(q_hi * x_hi, 1)
+            den = tl.maximum(tl.sum(q_lo * q_lo, 1) + tl.sum(q_hi * q_hi, 1), 1e-30)
+            d = _div(num, den).to(tl.float16).to(tl.float32)
+            r_lo = x_lo - d[:, None] * q_lo
+            r_hi = x_hi - d[:, None] * q_hi
+            err = tl.sum(r_lo * r_lo, 1) + tl.sum(r_hi * r_hi, 1)
+            better = err < best_err  # argmin: the first candidate on ties
+            best_err = tl.where(better, err, best_err)
+            best_g = tl.where(better, g, best_g)
+            best_d = tl.where(better, d, best_d)
+        d0 = (mx * best_g) / -8.0
+        dd = tl.broadcast_to(tl.where(d0 == 0.0, 1.0, d0)[:, None], [NBP, 16])
+        q_lo = (tl.minimum(tl.maximum(_rne(_div(x_lo, dd)), -8.0), 7.0) + 8.0).to(tl.uint8)
+        q_hi = (tl.minimum(tl.maximum(_rne(_div(x_hi, dd)), -8.0), 7.0) + 8.0).to(tl.uint8)
+        tl.store(dst16_ptr + blk_at // 2, best_d.to(tl.float16), mask=bmask)
+        tl.store(dst_ptr + blk_at[:, None] + 2 + j[None, :], q_lo | (q_hi << 4), mask=m2)
+    else:  # q4_0 (KIND 4) / q5_0 (KIND 6): d = signed absmax / -2^(bits-1), q = x / d + 2^(bits-1) + 0.5
+        mx = _signed_absmax(x_lo, x_hi, amax, j)
+        HALF: tl.constexpr = 8.0 if KIND == 4 else 16.0
+        d = _div_c(mx, -HALF)
+        idn = _inverse(d)[:, None]
+        q_lo = tl.minimum(tl.maximum(x_lo * idn + (HALF + 0.5), 0.0), 2.0 * HALF - 1.0).to(tl.uint8)
+        q_hi = tl.minimum(tl.maximum(x_hi * idn + (HALF + 0.5), 0.0), 2.0 * HALF - 1.0).to(tl.uint8)
+        tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
+        _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, 2, KIND == 6)
+
+
+@triton.jit
+def _signed_absmax(x_lo, x_hi, amax, j):
+    """(NBP,) the value of largest magnitude with its sign, the first one on ties (torch argmax)."""
+    big = 99
+    first = tl.minimum(tl.min(tl.where(tl.abs(x_lo) == amax[:, None], j[None, :], big), 1),
+                       tl.min(tl.where(tl.abs(x_hi) == amax[:, None], j[None, :] + 16, big), 1))
+    neg_inf = float("-inf")
+    return tl.maximum(tl.max(tl.where(j[None, :] == first[:, None], x_lo, neg_inf), 1),
+                      tl.max(tl.where(j[None, :] + 16 == first[:, None], x_hi, neg_inf), 1))
+
+
+@triton.jit
+def _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, HDR: tl.constexpr, HIGH: tl.constexpr):
+    """Nibbles (and for q5 the 4 qh bytes: bit k of the LE uint32 = bit 4 of element k) after HDR bytes."""
+    m2 = bmask[:, None]
+    if HIGH:
+        b_lo = ((q_lo >> 4) & 1).to(tl.int32)
+        b_hi = ((q_hi >> 4) & 1).to(tl.int32)
+        jj = j[None, :]
+        qh0 = tl.sum(tl.where(jj < 8, b_lo << jj, 0), 1)
+        qh1 = tl.sum(tl.where(jj >= 8, b_lo << (jj - 8), 0), 1)
+        qh2 = tl.sum(tl.where(jj < 8, b_hi << jj, 0), 1)
+        qh3 = tl.sum(tl.where(jj >= 8, b_hi << (jj - 8), 0), 1)
+        tl.store(dst_ptr + blk_at + HDR, qh0.to(tl.uint8), mask=bmask)
+        tl.store(dst_ptr + blk_at + HDR + 1, qh1.to(tl.uint8), mask=bmask)
+        tl.store(dst_ptr + blk_at + HDR + 2, qh2.to(tl.uint8), mask=bmask)
+        tl.store(dst_ptr + blk_at + HDR + 3, qh3.to(tl.uint8), mask=bmask)
+        tl.store(dst_ptr + blk_at[:, None] + HDR + 4 + j[None, :], (q_lo & 15) | ((q_hi & 15) << 4), mask=m2)
+    else:
+        tl.store(dst_ptr + blk_at[:, None] + HDR + j[None, :], q_lo | (q_hi << 4), mask=m2)
+
+
+@triton.jit
+def _store_dense_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, sdb, sdh, sdn, pos, T, H, D: tl.constexpr,
+                        DP: tl.constexpr, IS_BF16: tl.constexpr):
+    pid = tl.program_id(0)
+    h = pid % H
+    t = (pid // H) % T
+    b = pid // (H * T)
+    e = tl.arange(0, DP)
+    x = tl.load(x_ptr + b.to(tl.int64) * sxb + t.to(tl.int64) * sxt + h.to(tl.int64) * sxh + e, mask=e < D)
+    row = b.to(tl.int64) * sdb + h.to(tl.int64) * sdh + (pos + t).to(tl.int64) * sdn
+    if IS_BF16:  # round to nearest even by hand: the interpreter's f32 -> bf16 cast truncates
+        u = x.to(tl.uint32, bitcast=True)
+        u = (u + 0x7FFF + ((u >> 16) & 1)) >> 16
+        tl.store(dst_ptr + row + e, u.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=e < D)
+    else:
+        tl.store(dst_ptr + row + e, x.to(dst_ptr.dtype.element_ty), mask=e < D)
+
+
+def quantize_into(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
+    """x (B, T, Hkv, D) f32 -> rows pos..pos+T-1 of dst (B, Hkv, n_ctx, row_bytes or D), in place.
+
+    dst is a store's `data[layer]`; for q4_hadamard x is the rotated, offset-subtracted vector.
+    """
+    B, T, H, D = x.shape
+    x = x.float()
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    assert dst.stride(-1) == 1 and dst.shape[0] == B and dst.shape[1] == H and pos + T <= dst.shape[2]
+    grid = (B * T * H,)
+    if kind in ("f32", "f16", "bf16"):
+        _store_dense_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), dst, *dst.stride()[:3], pos, T, H,
+                                  D=D, DP=triton.next_power_of_2(D), IS_BF16=kind == "bf16")
+        return
+    nb, bb = D // 32, _BLOCK_BYTES[kind]
+    assert D % 32 == 0 and dst.shape[-1] == nb * bb and dst.stride(2) % 2 == 0
+    tab = _table("iq4_nl" if kind == "iq4_nl" else "grid", x.device)
+    # a fp16 view of the same bytes: every fp16 field sits at an even byte offset (block bytes are even)
+    dst16 = dst.view(torch.float16)
+    _quantize_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), dst, dst16, *dst.stride()[:3], tab, pos, T, H,
+                           KIND=KINDS[kind], NB=nb, NBP=triton.next_power_of_2(nb), BB=bb,
+                           enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
+
+
+def quantize_reference(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
+    """The PyTorch reference of `quantize_into`, same signature: the stores' own quantizers."""
+    B, T, H, D = x.shape
+    x = x.float()
+    if kind in ("f32", "f16", "bf16"):
+        dst[:, :, pos : pos + T] = x.transpose(1, 2).to(dst.dtype)
+        return
+    if kind == "q4_hadamard":
+        from kvcli.cache.hadamard import quantize_q4_mse as quantize
+    else:
+        store_cls = STORAGE_TYPES[kind]
+        assert issubclass(store_cls, GgmlBlockStore)
+        quantize = store_cls.quantize_blocks
+    blocks = quantize(x.reshape(B, T, H, D // 32, 32))
+    dst[:, :, pos : pos + T] = blocks.reshape(B, T, H, -1).transpose(1, 2)
+
+
+def store_hadamard(store, layer: int, x: torch.Tensor, pos: int) -> None:
+    """HadamardQ4Store.store with the 4-bit write in the kernel (rotation, sinks, offset as the store does)."""
+    from kvcli.cache.hadamard import N_SINK
+
+    T = x.shape[1]
+    r = store.to_storage(x.float())  # (B, T, H, D)
+    if pos == 0:
+        store.offset_set[layer] = False
+    if pos < N_SINK:
+        n = min(T, N_SINK - pos)
+        store.sink[layer, :, :, pos : pos + n] = r[:, :n].transpose(1, 2).half()
+    first = max(0, N_SINK - pos)
+    if not store.offset_set[layer] and first < T:
+        store.offset[layer] = r[:, first:].mean(dim=1, keepdim=True)
+        store.offset_set[layer] = True
+    quantize_into("q4_hadamard", r - store.offset[layer], store.data[layer], pos)

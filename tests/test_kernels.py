@@ -1,0 +1,141 @@
+"""Layer (b): every Triton kernel against its PyTorch reference, under TRITON_INTERPRET=1 on CPU.
+
+The interpreter runs the kernels' programs one by one on CPU tensors (slow): shapes are tiny.
+Quantize-on-write: bytes equal to the stores' quantizers. Attention: f32 tolerance against
+`kvcli.attention.attend_reference` (the kernels read the same stored bytes, so the only
+difference is summation order).
+"""
+
+import os
+import warnings
+
+os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels then run on CPU tensors
+
+import pytest
+import torch
+
+pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
+
+from kernels.attention import attend_kernel, attend_reference  # noqa: E402
+from kernels.dispatch import _attend, attend_cuda  # noqa: E402
+from kernels.quantize import quantize_into, quantize_reference, store_hadamard  # noqa: E402
+from kvcli.attention import attend  # noqa: E402
+from kvcli.cache import KVCache  # noqa: E402
+from kvcli.cache.base import STORAGE_TYPES  # noqa: E402
+
+ALL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_hadamard"]
+BLOCK_TYPES = [t for t in ALL_TYPES if t not in ("f32", "f16", "bf16")]
+DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
+
+
+@pytest.fixture(autouse=True)
+def _quiet():
+    with warnings.catch_warnings():  # numpy warns on masked-out lanes the interpreter still computes
+        warnings.simplefilter("ignore", RuntimeWarning)
+        yield
+
+
+def _adversarial(B: int, T: int, H: int, D: int) -> torch.Tensor:
+    """(B, T, H, D) random vectors, some with special 32-element blocks."""
+    g = torch.Generator().manual_seed(D + T)
+    x = torch.randn(B, T, H, D, generator=g) * torch.rand(B, T, H, 1, generator=g) * 4
+    specials = [torch.zeros(32), torch.full((32,), 0.75), torch.full((32,), -3.0),
+                torch.zeros(32).index_fill_(0, torch.tensor([7]), -50.0),  # one outlier
+                torch.randn(32, generator=g) * 1e4, torch.randn(32, generator=g) * 1e-6,
+                torch.linspace(-1, 1, 32), torch.tensor([1.0, -1.0] * 16)]  # ties of |max|
+    flat = x.view(-1, 32)
+    for i, block in enumerate(specials[: flat.shape[0]]):
+        flat[i] = block
+    return x
+
+
+def _row_bytes(kind: str, D: int) -> int:
+    return D if kind in DENSE else D // 32 * STORAGE_TYPES[kind].block_bytes
+
+
+@pytest.mark.parametrize("kind", ALL_TYPES)
+def test_quantize_on_write_equals_reference(kind):
+    # positions 3..8 of a 12-position cache: the kernel writes only its rows, the rest stay as they were
+    B, T, H, D = 2, 5, 2, 64
+    x = _adversarial(B, T, H, D)
+    dtype = DENSE.get(kind, torch.uint8)
+    fill = torch.randint(0, 255, (B, H, 12, _row_bytes(kind, D) * torch.empty(0, dtype=dtype).element_size()),
+                         generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
+    out, ref = fill.clone().view(dtype), fill.clone().view(dtype)
+    quantize_into(kind, x, out, 3)
+    quantize_reference(kind, x, ref, 3)
+    assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q5_1", "q4_hadamard"])
+@pytest.mark.parametrize("D", [32, 128])
+def test_quantize_head_dims(kind, D):
+    x = torch.randn(1, 3, 2, D, generator=torch.Generator().manual_seed(D)) * 2
+    out = torch.zeros(1, 2, 3, _row_bytes(kind, D), dtype=torch.uint8)
+    ref = out.clone()
+    quantize_into(kind, x, out, 0)
+    quantize_reference(kind, x, ref, 0)
+    assert torch.equal(out, ref)
+
+
+def test_store_hadamard_matches_the_store():
+    """The CUDA branch's steps (rotation, sinks, offset, 4-bit write) equal HadamardQ4Store.store."""
+    g = torch.Generator().manual_seed(3)
+    a = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 16, 64)
+    b = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 16, 64)
+    for pos, T in [(0, 6), (6, 1), (7, 3)]:  # prefill past the sinks, then decode steps
+        x = torch.randn(1, T, 2, 64, generator=g)
+        a.store(0, x, pos)
+        store_hadamard(b, 0, x, pos)
+    for name in ("data", "sink", "offset"):
+        assert torch.equal(getattr(a, name), getattr(b, name)), name
+
+
+def _filled_cache(kind_k: str, kind_v: str, B: int, Hkv: int, D: int, n: int, seed: int = 0) -> KVCache:
+    cache = KVCache(1, B, Hkv, n + 8, D, kind_k, kind_v)
+    g = torch.Generator().manual_seed(seed)
+    cache.store(0, torch.randn(B, n, Hkv, D, generator=g), torch.randn(B, n, Hkv, D, generator=g), 0)
+    return cache
+
+
+def _check(out, ref, kind):
+    # Kernel and reference dequantize the same stored bytes (f16/bf16 included) and both
+    # accumulate in f32, so every type gets the f32 tolerance; `kind` names the failing case.
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{kind}: {m}")
+
+
+@pytest.mark.parametrize("kind", ALL_TYPES)
+def test_attention_every_type(kind):
+    """GQA (4 query heads per KV head), batch 2, decode split in 3 and a 5-token prefill."""
+    B, H, Hkv, D, n = 2, 8, 2, 64, 37
+    cache = _filled_cache(kind, kind, B, Hkv, D, n)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randn(B, 1, H, D, generator=g)
+    _check(attend_kernel(q, cache, 0, n - 1, num_splits=3, block_n=16), attend_reference(q, cache, 0, n - 1), kind)
+    q = torch.randn(B, 5, H, D, generator=g)
+    _check(attend_kernel(q, cache, 0, n - 5, block_n=16), attend_reference(q, cache, 0, n - 5), kind)
+
+
+@pytest.mark.parametrize("kinds,B,H,Hkv,D,n", [
+    (("f16", "f16"), 1, 4, 4, 32, 1),  # MHA, a single key
+    (("q4_0", "q8_0"), 2, 2, 2, 32, 17),  # mixed K/V types
+    (("q4_hadamard", "f16"), 1, 4, 1, 128, 100),  # G = 4 with one KV head, past the sinks
+    (("q8_0", "q4_hadamard"), 1, 6, 2, 128, 100),  # G = 3: rows padded to a power of two
+])
+def test_attention_shapes(kinds, B, H, Hkv, D, n):
+    cache = _filled_cache(*kinds, B, Hkv, D, n, seed=n)
+    g = torch.Generator().manual_seed(2)
+    q = torch.randn(B, 1, H, D, generator=g)
+    _check(attend_kernel(q, cache, 0, n - 1, block_n=32), attend_reference(q, cache, 0, n - 1), kinds[0])
+    T = min(n, 7)  # prefill of the last T positions: causal w.r.t. pos + t
+    q = torch.randn(B, T, H, D, generator=g)
+    _check(attend_kernel(q, cache, 0, n - T), attend_reference(q, cache, 0, n - T), kinds[0])
+
+
+def test_dispatcher():
+    cache = _filled_cache("q4_0", "q4_0", 1, 2, 32, 9)
+    q = torch.randn(1, 1, 4, 32, generator=torch.Generator().manual_seed(4))
+    assert attend_cuda(q, cache, 0, 8) is None  # CPU tensors: not the kernels' business
+    torch.testing.assert_close(_attend(q, cache, 0, 8), attend(q, cache, 0, 8), rtol=1e-4, atol=1e-4)
+    cache.flash_attn = False  # -fa off: materialized scores, the reference's path
+    assert _attend(q, cache, 0, 8) is None
