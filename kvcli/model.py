@@ -1,7 +1,8 @@
 """The Llama decoder: RMSNorm, RoPE (GGUF adjacent-pair layout), GQA attention, SwiGLU.
 
-It knows nothing of cache formats: each block hands its K/V to `cache.store` and asks
-`kvcli.attention.attend` for the attention output over what the cache holds.
+It knows nothing of cache formats: each block hands q, its new K/V and its normed input x
+to `cache.attention`, which stores what its format keeps (K/V, or x for the hidden-state
+cache) and returns the attention output over what the cache holds.
 The residual stream, norms, RoPE and softmax run in f32; matmuls run in the weights'
 dtype (f16 weights multiply about 3x faster than f32 on this kind of CPU).
 """
@@ -12,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvcli.attention import attend
 from kvcli.config import ModelConfig
 
 
@@ -63,8 +63,7 @@ class Block(nn.Module):
         qk = apply_rope(qkv[..., : self.q_dim + c.kv_dim].reshape(B, T, c.n_heads + c.n_kv_heads, c.head_dim), rot)
         q, k = qk[:, :, : c.n_heads], qk[:, :, c.n_heads :]  # (B, T, H, D), (B, T, Hkv, D)
         v = qkv[..., self.q_dim + c.kv_dim :].reshape(B, T, c.n_kv_heads, c.head_dim)
-        cache.store(self.layer, k, v, pos)
-        o = attend(q, cache, self.layer, pos)  # (B, T, H * D) f32
+        o = cache.attention(self.layer, q, k, v, x, pos)  # (B, T, H * D) f32
         h = h + F.linear(o.to(self.dtype), self.wo).float()
         x = F.rms_norm(h, (c.n_embd,), self.ffn_norm, c.rms_eps).to(self.dtype)
         gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)

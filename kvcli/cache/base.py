@@ -90,6 +90,15 @@ class KVCache:
         self.k.store(layer, k, pos)
         self.v.store(layer, v, pos)
 
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+                  pos: int) -> torch.Tensor:
+        """Store the new K/V (B, T, Hkv, D), then attend q (B, T, H, D) over the cache -> (B, T, H*D).
+        x, the block's normed input, is unused here (the hidden-state cache stores it instead)."""
+        from kvcli.attention import attend
+
+        self.store(layer, k, v, pos)
+        return attend(q, self, layer, pos)
+
     def nbytes(self) -> int:
         return self.k.nbytes() + self.v.nbytes()
 
