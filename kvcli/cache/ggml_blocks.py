@@ -56,6 +56,16 @@ def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
+def _nibbles_f32(qs: torch.Tensor) -> torch.Tensor:
+    """(..., 16) uint8 -> (..., 32) f32 nibble values, written straight into one buffer: the
+    decode hot path (no uint8 concatenation; callers scale in place)."""
+    qs = qs.contiguous()
+    out = torch.empty(*qs.shape[:-1], 32, dtype=torch.float32, device=qs.device)
+    out[..., :16] = qs & 0x0F
+    out[..., 16:] = qs >> 4
+    return out
+
+
 def _pack_high_bits(q: torch.Tensor) -> torch.Tensor:
     """(..., 32) uint8 in 0..31 -> (..., 4) qh: bit j of the little-endian uint32 is bit 4 of element j."""
     bits = (q >> 4).reshape(*q.shape[:-1], 4, 8).float()
@@ -148,7 +158,7 @@ class Q4_0Store(GgmlBlockStore):
 
     @staticmethod
     def dequantize_blocks(blocks):
-        return _f16_at(blocks, 0) * (_unpack_nibbles(blocks[..., 2:]).float() - 8)
+        return _nibbles_f32(blocks[..., 2:]).sub_(8).mul_(_f16_at(blocks, 0))
 
 
 class Q4_1Store(GgmlBlockStore):
@@ -164,7 +174,7 @@ class Q4_1Store(GgmlBlockStore):
 
     @staticmethod
     def dequantize_blocks(blocks):
-        return _f16_at(blocks, 0) * _unpack_nibbles(blocks[..., 4:]).float() + _f16_at(blocks, 2)
+        return _nibbles_f32(blocks[..., 4:]).mul_(_f16_at(blocks, 0)).add_(_f16_at(blocks, 2))
 
 
 class Q5_0Store(GgmlBlockStore):
