@@ -103,17 +103,23 @@ def run(
     threads: Optional[int] = ThreadsOpt,
     conversation: bool = typer.Option(False, "-cnv", "--conversation", help="Interactive chat through the model's chat template."),
     system_prompt: Optional[str] = typer.Option(None, "-sys", "--system-prompt", help="System message for -cnv."),
-    cache_type_k: str = CtkOpt,
-    cache_type_v: str = CtvOpt,
+    cache_type_k: Optional[str] = typer.Option(None, "-ctk", "--cache-type-k", help="K cache storage type (default f16)."),
+    cache_type_v: Optional[str] = typer.Option(None, "-ctv", "--cache-type-v", help="V cache storage type (default f16)."),
+    cache_mode: str = typer.Option("kv", "--cache-mode", help="kv: cache K and V; hidden: cache each layer's normed input and rebuild K/V; auto: hidden where smaller."),
+    cache_type_h: Optional[str] = typer.Option(None, "-cth", "--cache-type-h", help="Hidden-state cache storage type (default f16)."),
     flash_attn: str = FlashOpt,
     dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights: f32 or f16."),
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt."),
 ):
     """Generate text from a prompt, or chat with -cnv (llama-cli / llama-completion)."""
     with user_errors():
-        from kvcli.cache import resolve_type
+        from kvcli.cache import resolve_type, validate_cache_flags
 
-        resolve_type(cache_type_k), resolve_type(cache_type_v)  # bad names fail before loading
+        # None = not given: -ctk/-ctv in hidden mode or -cth in kv mode is an error, not ignored
+        validate_cache_flags(cache_mode, cache_type_k is not None, cache_type_v is not None, cache_type_h is not None)
+        cache_type_k, cache_type_v, cache_type_h = (t or "f16" for t in (cache_type_k, cache_type_v, cache_type_h))
+        for t in (cache_type_k, cache_type_v, cache_type_h):
+            resolve_type(t)  # bad names fail before loading
         text = read_prompt(prompt, file, encoding)
         if not conversation and not text:
             raise KvcliError("empty prompt: give one with -p or -f, or chat with -cnv")
@@ -124,7 +130,8 @@ def run(
         from kvcli.llama import Llama
 
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
-                    batch_size=batch_size, threads=threads, flash_attn=parse_flash_attn(flash_attn), log=log)
+                    batch_size=batch_size, threads=threads, flash_attn=parse_flash_attn(flash_attn), log=log,
+                    cache_mode=cache_mode, cache_type_h=cache_type_h)
         c = llm.config
         log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
             f"{llm.n_ctx} ctx, {dtype} compute, loaded in {llm.load_seconds:.2f} s)")

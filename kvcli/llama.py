@@ -15,7 +15,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from kvcli.cache import KVCache
+from kvcli.cache import cache_bytes as plan_cache_bytes, make_cache, resolve_cache_mode
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
@@ -27,7 +27,8 @@ class Llama:
     def __init__(self, model_path: str | os.PathLike, ctx_size: int = 4096, dtype: str = "f16",
                  cache_type_k: str = "f16", cache_type_v: str = "f16", batch_size: int = 512,
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
-                 device: str = "cpu", log: Callable[[str], None] | None = None):
+                 device: str = "cpu", log: Callable[[str], None] | None = None, cache_mode: str = "kv",
+                 cache_type_h: str = "f16"):
         if threads:
             torch.set_num_threads(threads)
         if dtype not in ("f32", "f16", "bf16"):
@@ -38,7 +39,9 @@ class Llama:
         self.batch_size, self.n_seq = max(1, batch_size), n_seq
         self.log = log or (lambda line: None)
 
-        cache_bytes = KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, self.n_ctx, cache_type_k, cache_type_v)
+        # kv, hidden or auto -> kv / hidden (auto: hidden only where smaller than K+V at these types)
+        self.cache_mode = resolve_cache_mode(c, self.n_ctx, cache_mode, cache_type_k, cache_type_v, cache_type_h)
+        cache_bytes = plan_cache_bytes(c, n_seq, self.n_ctx, self.cache_mode, cache_type_k, cache_type_v, cache_type_h)
         weight_bytes = self._weight_bytes(dtype)
         check_fits(weight_bytes, cache_bytes, what=f"a {self.n_ctx}-token context")
 
@@ -53,8 +56,8 @@ class Llama:
         self.device = device
         self.model = Transformer(c, weights, compute, self.n_ctx).to(device)
         del weights
-        self.cache = KVCache(c.n_layers, n_seq, c.n_kv_heads, self.n_ctx, c.head_dim, cache_type_k, cache_type_v,
-                             device=device, flash_attn=flash_attn)
+        self.cache = make_cache(c, n_seq, self.n_ctx, self.cache_mode, cache_type_k, cache_type_v, cache_type_h,
+                                device=device, flash_attn=flash_attn, model=self.model)
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)

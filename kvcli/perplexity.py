@@ -561,7 +561,8 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
         ax.scatter(r["bits_per_element"], r["mean_kld"], color="tab:blue")
-        ax.annotate(f"{r['type_k']}/{r['type_v']}", (r["bits_per_element"], r["mean_kld"]),
+        label = r["type_k"] if r["type_k"] == r["type_v"] else f"{r['type_k']}/{r['type_v']}"
+        ax.annotate(label, (r["bits_per_element"], r["mean_kld"]),
                     textcoords="offset points", xytext=(4, 4), fontsize=8)
     ax.set_xlabel("bits per element (mean of K and V)")
     ax.set_ylabel("mean KL divergence vs base (nats)")

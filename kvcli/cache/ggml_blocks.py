@@ -143,7 +143,7 @@ class Q8_0Store(GgmlBlockStore):
 
     @staticmethod
     def dequantize_blocks(blocks):
-        return blocks[..., 2:].view(torch.int8).float() * _f16_at(blocks, 0)
+        return blocks[..., 2:].contiguous().view(torch.int8).float().mul_(_f16_at(blocks, 0))
 
 
 class Q4_0Store(GgmlBlockStore):

@@ -112,7 +112,7 @@ class HadamardQ4Store(Store):
         rows = self.data[layer, :, :, start:end]
         blocks = rows.view(*rows.shape[:-1], self.head_dim // 32, self.block_bytes)
         y = Q4_0Store.dequantize_blocks(blocks).reshape(*rows.shape[:-1], self.head_dim)
-        y = y + self.offset[layer].transpose(1, 2)  # (B, H, 1, D)
+        y.add_(self.offset[layer].transpose(1, 2))  # (B, H, 1, D), in place: y is a fresh buffer
         if start < N_SINK:
             n = min(end, N_SINK) - start
             y[:, :, :n] = self.sink[layer, :, :, start : start + n].float()
