@@ -145,8 +145,10 @@ def run(
 
 
 from convert.command import convert_command  # noqa: E402  (imports torch lazily)
+from kvcli.perplexity import perplexity_command  # noqa: E402  (imports torch lazily)
 
 app.command("convert", help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)
+app.command("perplexity", help="Perplexity and KL divergence over a text file, llama-perplexity's method; --sweep compares cache types.")(perplexity_command)
 
 
 def main() -> None:  # pragma: no cover - console script entry for `python -m kvcli`

@@ -1,0 +1,238 @@
+"""kvcli perplexity: llama-perplexity's method on a tiny model, KL divergence, the sweep, the CLI."""
+
+import json
+import math
+import random
+import re
+
+import pytest
+import torch
+import typer
+from typer.testing import CliRunner
+
+from kvcli.perplexity import (dequantize_log_probs, first_scored, kld_terms, make_chunks, n_scored,
+                              perplexity_command, quantize_log_probs)
+from tiny import make_hf_model, write_gguf
+
+N_CTX = 16
+WORDS = "the cat sat on a mat while dogs ran far and the birds sang of rain in old towns".split()
+
+
+def synthetic_text(n_words: int, seed: int = 0) -> str:
+    rng = random.Random(seed)
+    return " ".join(rng.choice(WORDS) for _ in range(n_words)) + ".\n"
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    d = tmp_path_factory.mktemp("ppl")
+    hf = make_hf_model(n_heads=4, n_kv_heads=2, seed=3)
+    with torch.no_grad():  # peaked distributions (a random init is near uniform) so divergences show
+        hf.lm_head.weight.mul_(6)
+    path = write_gguf(hf, d / "tiny.gguf")
+    text = d / "text.txt"
+    text.write_text(synthetic_text(70))
+    return hf, path, text, d
+
+
+@pytest.fixture(scope="module")
+def app():
+    app = typer.Typer()
+    app.callback()(lambda: None)  # keep `perplexity` a subcommand, as in kvcli.cli
+    app.command("perplexity")(perplexity_command)
+    return app
+
+
+def invoke(app, *args):
+    return CliRunner().invoke(app, ["perplexity", *map(str, args)])
+
+
+def tokens_of(path, text_path):
+    from kvcli.llama import Llama
+
+    return Llama(path, ctx_size=N_CTX).tokenize(text_path.read_text())
+
+
+def direct_nll(hf, tokens, n_ctx):
+    """llama.cpp's loop written out: chunk c, positions n_ctx/2 .. n_ctx-2 predict the next token."""
+    nll = []
+    for c in range(len(tokens) // n_ctx):
+        ids = tokens[c * n_ctx : (c + 1) * n_ctx]
+        with torch.no_grad():
+            logp = torch.log_softmax(hf(torch.tensor([ids])).logits[0].double(), -1)
+        nll += [-logp[p, ids[p + 1]].item() for p in range(n_ctx // 2, n_ctx - 1)]
+    return nll
+
+
+def ppl_of(nll):
+    n = len(nll)
+    mean = sum(nll) / n
+    var = sum(x * x for x in nll) / n - mean * mean
+    return math.exp(mean), math.exp(mean) * math.sqrt(var / (n - 1))
+
+
+def test_scored_positions_and_chunks():
+    tokens = list(range(100, 150))  # 50 tokens: 3 chunks of 16
+    inputs, targets = make_chunks(tokens, 16, bos_id=7)
+    assert inputs.shape == (3, 16) and targets.shape == (3, 7)
+    assert inputs[:, 0].tolist() == [7, 7, 7] and inputs[1, 1:].tolist() == tokens[17:32]
+    assert targets[1].tolist() == tokens[16 + 9 : 32]  # predicted by positions 8..14
+    assert (first_scored(512), n_scored(512), n_scored(17)) == (256, 255, 8)
+    assert make_chunks(tokens, 16, n_chunks=2)[0].shape == (2, 16)
+    assert make_chunks(tokens, 16)[0][:, 0].tolist() == [100, 116, 132]  # no BOS where the vocab adds none
+
+
+def test_ppl_matches_direct_computation(tiny, app, tmp_path):
+    hf, path, text, _ = tiny
+    tokens = tokens_of(path, text)
+    n_chunk = len(tokens) // N_CTX
+    assert n_chunk >= 4
+    nll = direct_nll(hf, tokens, N_CTX)
+    assert len(nll) == n_chunk * (N_CTX // 2 - 1)
+    ppl, err = ppl_of(nll)
+
+    out = tmp_path / "r.json"
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-b", N_CTX, "-ctk", "f32", "-ctv", "f32", "--json", out)
+    assert r.exit_code == 0, r.output
+    got = json.loads(out.read_text())
+    assert got["count"] == len(nll) and got["n_chunk"] == n_chunk
+    assert got["ppl"] == pytest.approx(ppl, rel=1e-5) and got["ppl_err"] == pytest.approx(err, rel=1e-4)
+    m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", r.stdout)
+    assert float(m[1]) == pytest.approx(ppl, rel=1e-5) and float(m[2]) == pytest.approx(err, rel=1e-4)
+    running = [float(v) for v in re.findall(r"\[\d+\]([\d.]+),", r.stdout)]
+    per_chunk = N_CTX // 2 - 1
+    want = [math.exp(sum(nll[: (i + 1) * per_chunk]) / ((i + 1) * per_chunk)) for i in range(n_chunk)]
+    assert running == pytest.approx(want, rel=1e-5, abs=1e-4)
+
+
+def test_batched_chunks_equal_one_by_one(tiny, app, tmp_path):
+    _, path, text, _ = tiny
+    res = []
+    for b in (N_CTX, 3 * N_CTX):  # n_seq 1, then 3 chunks per forward
+        out = tmp_path / f"b{b}.json"
+        r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-b", b, "--chunks", 5, "--json", out)
+        assert r.exit_code == 0, r.output
+        res.append(json.loads(out.read_text()))
+    assert res[0]["count"] == res[1]["count"] == 5 * 7
+    assert res[1]["ppl"] == pytest.approx(res[0]["ppl"], rel=1e-6)
+
+
+def test_too_short_text_is_a_clear_error(tiny, app, tmp_path):
+    _, path, _, _ = tiny
+    short = tmp_path / "short.txt"
+    short.write_text("the cat sat on the mat")
+    r = invoke(app, "-m", path, "-f", short, "-c", N_CTX)
+    assert r.exit_code == 1
+    assert "needs at least 2*n_ctx = 32 tokens, got" in r.stderr and "Traceback" not in r.output
+
+
+def test_kld_formula_and_quantization():
+    torch.manual_seed(0)
+    logq = torch.log_softmax(torch.randn(5, 300), -1)
+    logp = torch.log_softmax(torch.randn(5, 300), -1)  # within 16 nats: nothing below the floor
+    t = kld_terms(logq, logp, torch.tensor([0, 1, 2, 3, 4]))
+    want = (logp.exp() * (logp - logq)).sum(-1)
+    assert t["kld"].float() == pytest.approx(want, abs=1e-5)
+    scale, low, q = quantize_log_probs(logp)
+    assert (dequantize_log_probs(scale, low, q) - logp).abs().max() <= scale.max() / 2 + 1e-6
+    wide = torch.log_softmax(torch.linspace(0, 40, 300)[None], -1)  # 40 nats wide: bottom clipped at top - 16
+    s, lo, _ = quantize_log_probs(wide)
+    assert lo.item() == pytest.approx(wide.max().item() - 16, abs=1e-5)
+
+
+def test_kld_against_own_base_is_zero(tiny, app, tmp_path):
+    _, path, text, _ = tiny
+    base = tmp_path / "base.kld"
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--kl-divergence-base", base)
+    assert r.exit_code == 0, r.output
+    base_ppl = float(re.search(r"Final estimate: PPL = ([\d.]+)", r.stdout)[1])
+    assert base.stat().st_size > 0
+    out = tmp_path / "k.json"
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--kl-divergence-base", base, "--kl-divergence",
+               "--json", out)
+    assert r.exit_code == 0, r.output
+    k = json.loads(out.read_text())["kld"]
+    assert abs(k["kld"]) < 1e-6 and k["same_top"] == 1.0 and k["ppl"] == pytest.approx(k["ppl_base"], rel=1e-6)
+    assert k["ppl_base"] == pytest.approx(base_ppl, rel=1e-6)  # the base keeps each target's exact NLL
+    for label in ("Mean PPL(Q)", "Cor(ln(PPL(Q)), ln(PPL(base)))", "Mean    KLD:", "99.9%   KLD:", "Median  KLD:",
+                  " 0.1%   KLD:", "Minimum KLD:", "RMS Δp    :", "Same top p: 100.000"):
+        assert label in r.stdout, label
+
+    # a lossier cache type against the same base: a real, positive divergence
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-ctk", "bf16", "-ctv", "bf16",
+               "--kl-divergence-base", base, "--kl-divergence", "--json", out)
+    assert r.exit_code == 0, r.output
+    lossy = json.loads(out.read_text())["kld"]
+    assert lossy["kld"] > 3 * abs(k["kld"])
+
+
+def test_base_mismatch_is_a_clear_error(tiny, app, tmp_path):
+    _, path, text, _ = tiny
+    base = tmp_path / "base.kld"
+    assert invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--kl-divergence-base", base).exit_code == 0
+    r = invoke(app, "-m", path, "-f", text, "-c", 2 * N_CTX, "--kl-divergence-base", base, "--kl-divergence")
+    assert r.exit_code == 1 and "computed with -c 16, this run uses -c 32" in r.stderr
+    other = tmp_path / "other.txt"
+    other.write_text(synthetic_text(70, seed=1))
+    r = invoke(app, "-m", path, "-f", other, "-c", N_CTX, "--kl-divergence-base", base, "--kl-divergence")
+    assert r.exit_code == 1 and "tokenizes differently" in r.stderr
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--kl-divergence-base", text, "--kl-divergence")
+    assert r.exit_code == 1 and "not a kvcli KL-divergence base file" in r.stderr
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--kl-divergence")
+    assert r.exit_code == 1 and "--kl-divergence-base" in r.stderr
+
+
+def test_sweep_table_and_json(tiny, app, tmp_path):
+    _, path, text, _ = tiny
+    out = tmp_path / "sweep.json"
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--chunks", 6, "--sweep", "f16/f16,f32/f32,bf16", "--json", out)
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["type_k"], x["type_v"]) for x in rows] == [("f16", "f16"), ("f32", "f32"), ("bf16", "bf16")]
+    f16, f32, bf16 = rows
+    assert f16["mean_kld"] == 0.0 and f16["same_top_pct"] == 100.0 and f16["delta_ppl_pct"] == 0.0
+    assert [x["bits_per_element"] for x in rows] == [16.0, 32.0, 16.0]
+    assert f32["cache_mib_32k"] == pytest.approx(2 * f16["cache_mib_32k"])
+    assert bf16["mean_kld"] > abs(f32["mean_kld"])
+    for word in ("bf16", "same top", "KLD"):
+        assert word in r.stdout
+
+
+def test_sweep_all_lists_every_cache_type():
+    from kvcli.cache import STORAGE_TYPES
+    from kvcli.perplexity import parse_pairs
+
+    assert parse_pairs("all") == [(t, t) for t in STORAGE_TYPES]
+    assert parse_pairs("f32/f16,all")[0] == ("f32", "f16") and len(parse_pairs("f32/f16,all")) == len(STORAGE_TYPES) + 1
+    assert parse_pairs("F16 / BF16, f16/bf16") == [("f16", "bf16")]
+
+
+def test_sweep_unknown_type_and_plot(tiny, app, tmp_path):
+    _, path, text, _ = tiny
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--sweep", "f16/f16,q9_9/f16")
+    assert r.exit_code == 1 and "unknown cache type 'q9_9'" in r.stderr
+    png = tmp_path / "kld.png"
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--chunks", 3, "--sweep", "f16,bf16", "--plot", png)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        assert r.exit_code == 1 and "--plot needs matplotlib" in r.stderr
+    else:
+        assert r.exit_code == 0, r.output
+        assert png.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_sweep_row_equals_kld_against_saved_base(tiny, app, tmp_path):
+    """The in-memory sweep and a saved base + --kl-divergence run measure the same thing."""
+    _, path, text, _ = tiny
+    base, kld_json, sweep_json = tmp_path / "b.kld", tmp_path / "k.json", tmp_path / "s.json"
+    common = ["-m", path, "-f", text, "-c", N_CTX, "--chunks", 6]
+    assert invoke(app, *common, "--kl-divergence-base", base).exit_code == 0
+    r = invoke(app, *common, "-ctk", "bf16", "-ctv", "bf16", "--kl-divergence-base", base, "--kl-divergence",
+               "--json", kld_json)
+    assert r.exit_code == 0, r.output
+    assert invoke(app, *common, "--sweep", "bf16/bf16", "--json", sweep_json).exit_code == 0
+    k, row = json.loads(kld_json.read_text())["kld"], json.loads(sweep_json.read_text())["rows"][0]
+    assert row["ppl"] == pytest.approx(k["ppl"], rel=1e-6)
+    assert row["mean_kld"] == pytest.approx(k["kld"], rel=1e-4)
+    assert row["same_top_pct"] == pytest.approx(100 * k["same_top"])
