@@ -16,6 +16,18 @@ from torch import nn
 from kvcli.config import ModelConfig
 
 
+# Rows above which a half-precision weight is upcast for the matmul: this CPU kind multiplies one
+# row by f16 weights fast (GEMV), but a prefill batch far faster as f32 GEMM, upcast included.
+UPCAST_ROWS = 32
+
+
+def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """x (..., in) -> (..., out) f32; x is f32, w (out, in) in the compute dtype."""
+    if w.dtype == x.dtype or (x.numel() // x.shape[-1] > UPCAST_ROWS and not w.is_cuda):
+        return F.linear(x, w.float() if w.dtype != x.dtype else w)
+    return F.linear(x.to(w.dtype), w).float()
+
+
 def rope_table(c: ModelConfig, n_ctx: int, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
     """(n_ctx, head_dim/2) complex64 rotations e^{i * pos * theta_j}, theta_j = base^(-2j/D)."""
     theta = 1.0 / (c.rope_base ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
@@ -58,16 +70,16 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
-        x = F.rms_norm(h, (c.n_embd,), self.attn_norm, c.rms_eps).to(self.dtype)
-        qkv = F.linear(x, self.wqkv).float()  # (B, T, (H + 2*Hkv) * D)
+        x = F.rms_norm(h, (c.n_embd,), self.attn_norm, c.rms_eps)
+        qkv = linear(x, self.wqkv)  # (B, T, (H + 2*Hkv) * D)
         qk = apply_rope(qkv[..., : self.q_dim + c.kv_dim].reshape(B, T, c.n_heads + c.n_kv_heads, c.head_dim), rot)
         q, k = qk[:, :, : c.n_heads], qk[:, :, c.n_heads :]  # (B, T, H, D), (B, T, Hkv, D)
         v = qkv[..., self.q_dim + c.kv_dim :].reshape(B, T, c.n_kv_heads, c.head_dim)
         o = cache.attention(self.layer, q, k, v, x, pos)  # (B, T, H * D) f32
-        h = h + F.linear(o.to(self.dtype), self.wo).float()
-        x = F.rms_norm(h, (c.n_embd,), self.ffn_norm, c.rms_eps).to(self.dtype)
-        gate, up = F.linear(x, self.w_gate_up).chunk(2, dim=-1)
-        return h + F.linear(F.silu(gate) * up, self.w_down).float()
+        h = h + linear(o, self.wo)
+        x = F.rms_norm(h, (c.n_embd,), self.ffn_norm, c.rms_eps)
+        gate, up = linear(x, self.w_gate_up).chunk(2, dim=-1)
+        return h + linear(F.silu(gate) * up, self.w_down)
 
 
 class Transformer(nn.Module):
@@ -96,8 +108,8 @@ class Transformer(nn.Module):
             h = block(h, cache, pos, rot)
         if last_only:
             h = h[:, -1:]
-        h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps).to(self.dtype)
-        return F.linear(h, self.output).float()
+        h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps)
+        return linear(h, self.output)
 
 
 def dtype_from_name(name: str) -> torch.dtype:
