@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import sys
 import secrets
 from dataclasses import dataclass
@@ -360,12 +361,41 @@ def _default_log(line: str) -> None:
     print(line, file=sys.stderr)
 
 
+# `.OUT.<pid>.<8 hex>.tmp`, the name convert_hf writes under before renaming into place.
+_TEMP_NAME = re.compile(r"^\..+\.(\d{1,7})\.[0-9a-f]{8}\.tmp$")
+
+
+def _pid_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)  # signal 0: existence check only
+    except ProcessLookupError:
+        return False
+    except OSError:  # EPERM: alive, someone else's
+        return True
+    return True
+
+
+def remove_stale_temps(directory: Path, log: Callable[[str], None]) -> None:
+    """Delete temporary files left in `directory` by a convert that was killed (SIGKILL, power loss:
+    no handler runs). Only names of our pattern whose writer's pid is gone; a live writer's stay."""
+    for path in directory.glob(".*.tmp"):
+        m = _TEMP_NAME.match(path.name)
+        if not m or int(m[1]) in (0, os.getpid()) or _pid_alive(int(m[1])):
+            continue
+        try:
+            path.unlink()
+        except FileNotFoundError:  # another convert cleaned it first
+            continue
+        log(f"removed {path.name}, left by an interrupted convert (pid {m[1]} is gone)")
+
+
 def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16", force: bool = False,
                progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
     """Convert a Hugging Face Llama/Mistral directory to `out_path` (GGUF); returns the path written.
 
-    Writes `.OUT.*.tmp` next to OUT and renames it into place only when complete; any failure
-    (or Ctrl-C) removes the temporary file and leaves OUT untouched."""
+    Writes `.OUT.<pid>.<hex>.tmp` next to OUT and renames it into place only when complete; any failure
+    (or Ctrl-C) removes the temporary file and leaves OUT untouched. A convert killed outright (SIGKILL)
+    leaves its temporary file; the next convert into that directory removes it (its pid is gone)."""
     import gguf
 
     log = log or _default_log
@@ -383,6 +413,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     if not out.parent.is_dir():
         raise KvcliError(f"output directory does not exist: {out.parent}")
 
+    remove_stale_temps(out.parent, log)
     h = read_hparams(hf_dir)
     items = plan_tensors(h, Checkpoint(hf_dir), outtype)
     # next to OUT so that os.replace is an atomic rename on one file system

@@ -126,6 +126,8 @@ class Tokenizer:
         self.model = meta.get("tokenizer.ggml.model")
         if self.model not in ("llama", "gpt2"):
             raise KvcliError(f"unsupported tokenizer.ggml.model {self.model!r}; supported: 'llama', 'gpt2'")
+        if not meta.get("tokenizer.ggml.tokens"):
+            raise KvcliError("GGUF metadata lacks tokenizer.ggml.tokens (the vocabulary)")
         self.tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
         n = self.vocab_size = len(self.tokens)
         self.types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
@@ -146,7 +148,10 @@ class Tokenizer:
             import sentencepiece
 
             scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
-            self._sp = sentencepiece.SentencePieceProcessor(model_proto=_spm_model_proto(self.tokens, scores, types))
+            try:
+                self._sp = sentencepiece.SentencePieceProcessor(model_proto=_spm_model_proto(self.tokens, scores, types))
+            except (RuntimeError, TypeError, ValueError) as e:
+                raise KvcliError(f"bad SentencePiece vocabulary in GGUF metadata: {str(e)[:100]}") from None
             # parse_special -> (regex splitting out the tokens matched whole, their text -> id)
             self._split = {ps: self._splitter(self._always + (self._special if ps else [])) for ps in (False, True)}
             default_bos = True
@@ -155,7 +160,10 @@ class Tokenizer:
             if pre not in _PRE:
                 raise KvcliError(f"unknown tokenizer.ggml.pre {pre!r}; supported: {', '.join(sorted(_PRE))}")
             regexes, ignore_merges, default_bos = _PRE[pre]
-            self._hf = self._build_bpe(meta, regexes, ignore_merges)
+            try:
+                self._hf = self._build_bpe(meta, regexes, ignore_merges)
+            except Exception as e:  # the tokenizers library raises plain Exception on a bad vocab or merge
+                raise KvcliError(f"bad BPE vocabulary or merges in GGUF metadata: {str(e)[:100]}") from None
         self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
         self.eog_ids: frozenset[int] = self._eog_ids(meta)
 
