@@ -15,6 +15,9 @@ import typer
 from rich.console import Console
 
 from kvcli.errors import KvcliError
+from kvcli.memory import WORKING_BYTES
+
+WORKING_MIB = WORKING_BYTES // 2**20
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run Llama-family GGUF models with a small KV cache (llama.cpp-style flags).")
@@ -157,3 +160,129 @@ def main() -> None:  # pragma: no cover - console script entry for `python -m kv
 
 if __name__ == "__main__":  # pragma: no cover
     sys.exit(main())
+
+
+def _rich_table(title: str, columns: list[str], rows: list[list[str]]):
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="left" if c == columns[0] else "right")
+    for r in rows:
+        table.add_row(*r)
+    return table
+
+
+@app.command()
+def info(model: Optional[Path] = ModelOpt,
+         dtype: str = typer.Option("f16", "--dtype", help="Compute dtype the weight bytes are given for.")):
+    """Model metadata, weight types and bytes, and the cache bytes per token of every cache choice."""
+    with user_errors():
+        from kvcli.fit import bits_per_element, cache_bytes, choices, weight_bytes
+        from kvcli.gguf_file import open_gguf
+
+        g = open_gguf(resolve_model(model))
+        c = g.config
+        out = Console(highlight=False)
+        out.print(f"model: {Path(g.path).name}  ({g.metadata.get('general.name', '?')})")
+        out.print(f"arch {c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, n_ff {c.n_ff}, heads {c.n_heads}/"
+                  f"{c.n_kv_heads} (head dim {c.head_dim}), vocab {c.vocab_size}, trained context {c.context_length}, "
+                  f"rope base {c.rope_base:g}, rms eps {c.rms_eps:g}")
+        types = ", ".join(f"{n} x {t}" for t, n in sorted(g.weight_types().items()))
+        out.print(f"weights: {types}; {g.weight_bytes() / 2**20:.2f} MiB in the file, "
+                  f"{weight_bytes(g, dtype) / 2**20:.2f} MiB in memory at --dtype {dtype}")
+        rows = [[ch.label, f"{bits_per_element(ch):.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
+                 f"{cache_bytes(c, ch, 32768) / 2**20:,.1f}"] for ch in choices()]
+        out.print(_rich_table("cache bytes per token", ["cache", "bits", "bytes/token", "MiB @ 32k"], rows))
+
+
+@app.command()
+def fit(model: Optional[Path] = ModelOpt,
+        mem: str = typer.Option(..., "--mem", help="Memory budget, e.g. 8GiB, 512MiB."),
+        ctx: int = typer.Option(0, "--ctx", "-c", help="Context wanted (0: the model's trained context)."),
+        sweep: Optional[Path] = typer.Option(None, "--sweep", help="JSON from `kvcli perplexity --sweep --json`."),
+        device: str = typer.Option("cpu", "--device", help="cpu or cuda (the budget is that device's memory)."),
+        dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights.")):
+    """The largest context each cache choice reaches in a memory budget, and the one to use."""
+    with user_errors():
+        from kvcli.fit import fit_table, load_sweep, parse_bytes, weight_bytes
+        from kvcli.gguf_file import open_gguf
+
+        if device not in ("cpu", "cuda"):
+            raise KvcliError(f"--device takes cpu or cuda, not {device!r}")
+        budget = parse_bytes(mem)
+        g = open_gguf(resolve_model(model))
+        wanted = ctx or g.config.context_length
+        wb = weight_bytes(g, dtype)
+        rows, best = fit_table(g.config, wb, budget, wanted, load_sweep(sweep))
+        out = Console(highlight=False)
+        out.print(f"{Path(g.path).name} on {device}: budget {budget / 2**30:.2f} GiB, weights {wb / 2**30:.2f} GiB "
+                  f"(--dtype {dtype}), working buffers {WORKING_MIB} MiB")
+        table = [[r["choice"], f"{r['bits']:.2f}", f"{r['bytes_per_token']:,.0f}", f"{r['max_ctx']:,}",
+                  "-" if r["kld"] is None else f"{r['kld']:.6f}"] for r in rows]
+        out.print(_rich_table("largest context per cache choice", ["cache", "bits", "bytes/token", "max ctx", "KLD"], table))
+        if best is None:
+            raise KvcliError(f"no cache choice reaches a {wanted}-token context in {mem}; the best reaches "
+                             f"{max(r['max_ctx'] for r in rows):,} tokens")
+        flags = (f"--cache-mode hidden -cth {best['type_h']}" if best["mode"] == "hidden"
+                 else f"-ctk {best['type_k']} -ctv {best['type_v']}")
+        out.print(f"recommended for {wanted:,} tokens: {best['choice']} ({flags} -c {wanted})")
+
+
+@app.command()
+def bench(model: Optional[Path] = ModelOpt,
+          n_prompt: str = typer.Option("512", "-p", "--n-prompt", help="Prompt lengths (comma list)."),
+          n_gen: str = typer.Option("128", "-n", "--n-gen", help="Generation lengths (comma list)."),
+          depth: str = typer.Option("0", "-d", "--n-depth", help="Cache depths (comma list)."),
+          cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="K types (comma list)."),
+          cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="V types (comma list)."),
+          cache_mode: str = typer.Option("kv", "--cache-mode", help="kv, hidden (comma list)."),
+          cache_type_h: str = typer.Option("f16", "-cth", "--cache-type-h", help="Hidden-state types (comma list)."),
+          flash_attn: str = typer.Option("on", "-fa", "--flash-attn", help="on, off (comma list)."),
+          repetitions: int = typer.Option(3, "-r", "--repetitions"),
+          output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
+          threads: Optional[int] = ThreadsOpt,
+          dtype: str = typer.Option("f16", "--dtype"),
+          device: str = typer.Option("cpu", "--device", help="cpu or cuda.")):
+    """llama-bench: pp/tg tokens/s and cache MiB for every combination of the listed cache choices."""
+    with user_errors():
+        from kvcli.bench import combinations, run_bench, split_list, to_csv, to_json, to_markdown
+        from kvcli.cache import resolve_type
+
+        if output not in ("md", "json", "csv"):
+            raise KvcliError(f"-o takes md, json or csv, not {output!r}")
+        try:
+            ps, ns, ds = ([int(v) for v in split_list(x)] for x in (n_prompt, n_gen, depth))
+        except ValueError:
+            raise KvcliError("-p, -n and -d take comma-separated integers") from None
+        modes, fas = split_list(cache_mode), split_list(flash_attn)
+        ctks, ctvs, cths = split_list(cache_type_k), split_list(cache_type_v), split_list(cache_type_h)
+        for t in ctks + ctvs + cths:
+            resolve_type(t)
+        for m in modes:
+            if m not in ("kv", "hidden"):
+                raise KvcliError(f"--cache-mode takes kv or hidden in bench, not {m!r}")
+        for f in fas:
+            parse_flash_attn(f)
+        path = resolve_model(model)
+
+        import torch
+
+        from kvcli.llama import Llama
+
+        if threads:
+            torch.set_num_threads(threads)
+
+        def make(ctx, mode, tk, tv, th, fa):
+            return Llama(path, ctx_size=ctx, dtype=dtype, cache_type_k=tk, cache_type_v=tv, cache_mode=mode,
+                         cache_type_h=th, flash_attn=fa, device=device)
+
+        rows = []
+        combos = combinations(modes, ctks, ctvs, cths, fas)
+        backend = "CUDA" if device == "cuda" else "CPU"
+        for p, n in zip(ps, ns) if len(ps) == len(ns) else [(p, n) for p in ps for n in ns]:
+            rows += run_bench(make, path.name, p, n, ds, combos, repetitions, torch.get_num_threads(), backend,
+                              progress=lambda r: log(f"{r.cache_mode} {r.type_k}/{r.type_v}/{r.type_h} fa {r.fa} "
+                                                     f"{r.test}: {r.tokens_per_s:.2f} t/s"))
+        text = {"md": to_markdown, "json": to_json, "csv": to_csv}[output](rows)
+        sys.stdout.write(text + "\n")

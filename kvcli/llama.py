@@ -8,7 +8,6 @@
 
 from __future__ import annotations
 
-import math
 import os
 import time
 from typing import Callable, Iterator, Sequence
@@ -21,20 +20,30 @@ from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
 from kvcli.memory import check_fits
 from kvcli.model import Transformer, dtype_from_name
+from kvcli.shapes import random_weights, shape_config, weight_bytes
 
 
 class Llama:
-    def __init__(self, model_path: str | os.PathLike, ctx_size: int = 4096, dtype: str = "f16",
+    def __init__(self, model_path: str | os.PathLike | None, ctx_size: int = 4096, dtype: str = "f16",
                  cache_type_k: str = "f16", cache_type_v: str = "f16", batch_size: int = 512,
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
                  device: str = "cpu", log: Callable[[str], None] | None = None, cache_mode: str = "kv",
-                 cache_type_h: str = "f16"):
+                 cache_type_h: str = "f16", shape: str | None = None):
+        """shape: a published configuration with random weights (kvcli.shapes), for speed and
+        memory only; model_path is then ignored and there is no tokenizer."""
         if threads:
             torch.set_num_threads(threads)
         if dtype not in ("f32", "f16", "bf16"):
             raise KvcliError(f"unknown --dtype {dtype!r}; choose f32, f16 or bf16")
-        self.gguf = open_gguf(model_path)
-        self.config = c = self.gguf.config
+        if device != "cpu" and not torch.cuda.is_available():
+            raise KvcliError(f"device {device!r} asked for, but torch sees no CUDA GPU")
+        self.synthetic = shape is not None
+        if self.synthetic:
+            self.gguf, self.config = None, shape_config(shape)
+        else:
+            self.gguf = open_gguf(model_path)
+            self.config = self.gguf.config
+        c = self.config
         self.n_ctx = ctx_size if ctx_size > 0 else c.context_length
         self.batch_size, self.n_seq = max(1, batch_size), n_seq
         self.log = log or (lambda line: None)
@@ -42,17 +51,20 @@ class Llama:
         # kv, hidden or auto -> kv / hidden (auto: hidden only where smaller than K+V at these types)
         self.cache_mode = resolve_cache_mode(c, self.n_ctx, cache_mode, cache_type_k, cache_type_v, cache_type_h)
         cache_bytes = plan_cache_bytes(c, n_seq, self.n_ctx, self.cache_mode, cache_type_k, cache_type_v, cache_type_h)
-        weight_bytes = self._weight_bytes(dtype)
-        check_fits(weight_bytes, cache_bytes, what=f"a {self.n_ctx}-token context")
+        untied = not self.synthetic and "output.weight" in self.gguf.tensors
+        if device == "cpu":
+            check_fits(weight_bytes(c, dtype, untied), cache_bytes, what=f"a {self.n_ctx}-token context",
+                       per_token_bytes=cache_bytes // self.n_ctx)
 
         t0 = time.perf_counter()
-        names = list(expected_shapes(c)) + [n for n in optional_shapes(c) if n in self.gguf.tensors]
         compute = dtype_from_name(dtype)
-        # Matrices go to the compute dtype one by one (peak: one f32 matrix, not the model); norms stay f32.
-        weights = {n: (w if w.dim() == 1 else w.to(compute))
-                   for n in names for w in [torch.from_numpy(read_tensor(self.gguf, n))]}
-        if device != "cpu" and not torch.cuda.is_available():
-            raise KvcliError(f"device {device!r} asked for, but torch sees no CUDA GPU")
+        if self.synthetic:
+            weights = dict(random_weights(c, compute, device))
+        else:
+            names = list(expected_shapes(c)) + [n for n in optional_shapes(c) if n in self.gguf.tensors]
+            # Matrices go to the compute dtype one by one (peak: one f32 matrix, not the model); norms stay f32.
+            weights = {n: (w if w.dim() == 1 else w.to(compute))
+                       for n in names for w in [torch.from_numpy(read_tensor(self.gguf, n))]}
         self.device = device
         self.model = Transformer(c, weights, compute, self.n_ctx).to(device)
         del weights
@@ -63,17 +75,13 @@ class Llama:
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
         self._tokenizer = None
 
-    def _weight_bytes(self, dtype: str) -> int:
-        c = self.config
-        n = sum(math.prod(shape) for shape in expected_shapes(c).values())
-        if "output.weight" in self.gguf.tensors:
-            n += c.vocab_size * c.n_embd
-        return n * (4 if dtype == "f32" else 2)
-
     @property
     def tokenizer(self):
         if self._tokenizer is None:
             from kvcli.tokenizer import Tokenizer
+
+            if self.synthetic:
+                raise KvcliError("a synthetic --shape model has random weights and no tokenizer")
 
             self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
         return self._tokenizer

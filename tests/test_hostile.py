@@ -409,8 +409,6 @@ def test_run_refuses_a_context_that_does_not_fit(tiny, monkeypatch):
     assert_clean_error(run("-m", tiny, "-p", "x", "-c", 2_000_000), "does not fit in memory", "needs", "GiB")
 
 
-@pytest.mark.xfail(reason="needs kvcli/llama.py to pass per_token_bytes to check_fits (see issue 8 report)",
-                   strict=False)
 def test_run_names_the_largest_context_that_fits(tiny, monkeypatch):
     from kvcli import memory
 

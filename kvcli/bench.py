@@ -1,0 +1,126 @@
+"""`kvcli bench`: llama-bench's pp/tg speeds for every combination of cache choices.
+
+Semantics follow llama-bench: for each combination, the cache is first filled to the depth
+(not timed), then `ppN` times one N-token prompt and `tgN` times N one-token decode steps;
+one warm-up run, then mean +/- std tokens/s over the repetitions.
+"""
+
+from __future__ import annotations
+
+import csv
+import io
+import itertools
+import json
+import statistics
+import time
+from dataclasses import asdict, dataclass
+
+
+@dataclass
+class BenchRow:
+    model: str
+    params_m: float
+    backend: str
+    threads: int
+    cache_mode: str
+    type_k: str
+    type_v: str
+    type_h: str
+    fa: str
+    test: str
+    depth: int
+    tokens_per_s: float
+    std: float
+    cache_mib: float
+    synthetic: bool = False
+
+
+def split_list(value: str) -> list[str]:
+    return [v.strip() for v in value.split(",") if v.strip()]
+
+
+def combinations(modes, ctks, ctvs, cths, fas) -> list[tuple[str, str, str, str, str]]:
+    """(mode, type_k, type_v, type_h, fa): K/V types only vary in kv mode, the hidden type only in
+    hidden mode, so no combination is run twice under another name."""
+    out = []
+    for mode, fa in itertools.product(modes, fas):
+        if mode == "hidden":
+            out += [(mode, "-", "-", h, fa) for h in cths]
+        else:
+            out += [(mode, k, v, "-", fa) for k, v in itertools.product(ctks, ctvs)]
+    return out
+
+
+def _tokens(n: int, vocab: int, salt: int = 0) -> list[int]:
+    # Fixed pseudo-random ids (llama-bench uses random tokens): speed does not depend on them.
+    return [(i * 7919 + salt * 104729) % (vocab - 10) + 5 for i in range(n)]
+
+
+def _time_case(llm, test: str, n: int, depth: int) -> float:
+    vocab = llm.config.vocab_size
+    llm.reset()
+    if depth:
+        llm.eval(_tokens(depth, vocab, 1))
+    if test == "pp":
+        t0 = time.perf_counter()
+        llm.eval(_tokens(n, vocab, 2))
+        return n / (time.perf_counter() - t0)
+    token = 7
+    t0 = time.perf_counter()
+    for _ in range(n):
+        token = int(llm.eval([token]).argmax())
+    return n / (time.perf_counter() - t0)
+
+
+def run_bench(make_llm, model_name: str, n_prompt: int, n_gen: int, depths: list[int], combos, reps: int,
+              threads: int, backend: str, synthetic: bool = False, progress=None) -> list[BenchRow]:
+    """make_llm(ctx, mode, type_k, type_v, type_h, flash_attn) -> Llama; one per combination."""
+    rows = []
+    ctx = max(depths) + max(n_prompt, n_gen) + 1
+    for mode, tk, tv, th, fa in combos:
+        llm = make_llm(ctx, mode, tk if tk != "-" else "f16", tv if tv != "-" else "f16",
+                       th if th != "-" else "f16", fa != "off")
+        params = sum(t.numel() for t in llm.model.buffers()) / 1e6
+        for depth in depths:
+            for test, n in (("pp", n_prompt), ("tg", n_gen)):
+                if n <= 0:
+                    continue
+                _time_case(llm, test, min(n, 16), 0)  # warm-up
+                speeds = [_time_case(llm, test, n, depth) for _ in range(reps)]
+                label = f"{test}{n}" + (f" @ d{depth}" if depth else "")
+                rows.append(BenchRow(model_name, params, backend, threads, mode, tk, tv, th, fa, label, depth,
+                                     statistics.mean(speeds), statistics.pstdev(speeds),
+                                     llm.cache.nbytes() / 2**20, synthetic))
+                if progress:
+                    progress(rows[-1])
+        del llm
+    return rows
+
+
+COLUMNS = ["model", "backend", "threads", "cache_mode", "type_k", "type_v", "type_h", "fa", "test", "t/s", "cache MiB"]
+
+
+def _cells(r: BenchRow) -> list[str]:
+    name = r.model + (" (synthetic)" if r.synthetic else "")
+    return [name, r.backend, str(r.threads), r.cache_mode, r.type_k, r.type_v, r.type_h, r.fa, r.test,
+            f"{r.tokens_per_s:.2f} ± {r.std:.2f}", f"{r.cache_mib:.2f}"]
+
+
+def to_markdown(rows: list[BenchRow]) -> str:
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---:" if c in ("t/s", "cache MiB", "threads") else "---"
+                                                             for c in COLUMNS) + "|"]
+    lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
+    return "\n".join(lines)
+
+
+def to_json(rows: list[BenchRow]) -> str:
+    return json.dumps([asdict(r) for r in rows], indent=2)
+
+
+def to_csv(rows: list[BenchRow]) -> str:
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=list(asdict(rows[0]).keys()) if rows else ["model"])
+    w.writeheader()
+    for r in rows:
+        w.writerow(asdict(r))
+    return buf.getvalue()

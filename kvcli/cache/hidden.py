@@ -1,0 +1,196 @@
+"""The hidden-state cache: keep each layer's normed attention input x instead of K and V.
+
+Per layer and position it stores x (n_embd), the block's RMSNorm output, in one storage
+type; attention rebuilds K = RoPE(x Wk) and V = x Wv from the stored-then-loaded x, a chunk
+of positions at a time, with the block's own weights (slices of `wqkv`) and RoPE table.
+For MHA models (kv_dim == n_embd) that is half the bytes of K+V; for GQA it is more, and
+`describe` says so. Prefill attends to rebuilt K/V as well, so perplexity shows the loss.
+
+x (B, T, n_embd) is stored as (B, T, n_embd / Ds, Ds) "heads" with Ds the largest power of
+two dividing n_embd, at most HADAMARD_MAX: every ggml block type fits (Ds % 32 == 0), and
+q4_hadamard gets a power-of-two rotation as wide as is cheap (rotation cost per token is
+n_embd * Ds; 64 for SmolLM2's 576, 256 for a 4096-wide model).
+
+Also here: the helpers both `run` and `perplexity` use to pick and build a cache
+(`validate_cache_flags`, `resolve_cache_mode`, `cache_bytes`, `make_cache`).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from kvcli.cache.base import KVCache, resolve_type
+from kvcli.errors import KvcliError
+
+HADAMARD_MAX = 256
+CACHE_MODES = ("kv", "hidden", "auto")
+MIB = 1024 * 1024
+
+
+def store_head_dim(n_embd: int) -> int:
+    """Ds: the largest power of two dividing n_embd, capped at HADAMARD_MAX."""
+    return min(n_embd & -n_embd, HADAMARD_MAX)
+
+
+class _Rebuilt:
+    """A read-only K or V "store" over the hidden cache: `load` rebuilds positions from x.
+
+    Shaped like a Store (n_heads, head_dim, identity to/from_storage) so the library's
+    `attend_reference` runs unchanged over it (online softmax or -fa off, GQA, masks, chunks).
+    K and V of a chunk come from one matmul; the pair is kept until the other half is read."""
+
+    name = "rebuilt"
+
+    def __init__(self, cache: "HiddenCache", which: int):
+        self.cache, self.which = cache, which
+        self.n_heads, self.head_dim = cache.config.n_kv_heads, cache.config.head_dim
+        self.device = cache.h.device
+
+    def to_storage(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def from_storage(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def load(self, layer: int, start: int, end: int) -> torch.Tensor:
+        return self.cache.rebuild(layer, start, end)[self.which]
+
+
+class HiddenCache:
+    """Stores x per layer; `.attention` has KVCache's signature. Needs the Transformer's weights."""
+
+    def __init__(self, config, batch: int, n_ctx: int, type_h: str = "f16", device: str = "cpu",
+                 flash_attn: bool = True, model=None):
+        if model is None:
+            raise KvcliError("the hidden-state cache needs the model (its K/V weights and RoPE table)")
+        c = self.config = config
+        self.model = model  # blocks' wqkv and the rope table, read at attention time (no copies)
+        self.flash_attn = flash_attn
+        self.n_layers, self.batch, self.n_ctx = c.n_layers, batch, n_ctx
+        ds = store_head_dim(c.n_embd)
+        self.h = resolve_type(type_h)(c.n_layers, batch, c.n_embd // ds, n_ctx, ds, device=device)
+        self.k, self.v = _Rebuilt(self, 0), _Rebuilt(self, 1)
+        self._pair_key, self._pair = None, None
+        self._cos_sin = None  # (n_ctx, D/2) f32 pair for the Triton kernel, made on first use
+
+    # ---- sizes ----
+    def nbytes(self) -> int:
+        return self.h.nbytes()
+
+    @staticmethod
+    def bytes_needed(n_layers: int, batch: int, n_embd: int, n_ctx: int, type_h: str) -> int:
+        return resolve_type(type_h).nbytes_for(n_layers, batch, n_embd, n_ctx)
+
+    def kv_f16_bytes(self) -> int:
+        c = self.config
+        return KVCache.bytes_needed(c.n_layers, self.batch, c.kv_dim, self.n_ctx, "f16", "f16")
+
+    def describe(self) -> str:
+        """The start-up size line, with the f16 K+V size beside it; a warning line where hidden is larger."""
+        c, hb, kvb = self.config, self.nbytes(), self.kv_f16_bytes()
+        line = (f"hidden cache: size = {hb / MIB:7.2f} MiB ({self.n_ctx:6d} cells, {self.n_layers:3d} layers, "
+                f"{self.batch}/{self.batch} seqs), x ({self.h.name}): {hb / MIB:7.2f} MiB; "
+                f"an f16 K+V cache would take {kvb / MIB:7.2f} MiB")
+        if hb > kvb:
+            line += (f"\nwarning: the hidden-state cache ({hb / MIB:.2f} MiB) is larger than an f16 K+V cache "
+                     f"({kvb / MIB:.2f} MiB): this model has {c.n_heads}/{c.n_kv_heads} heads (GQA), so "
+                     f"n_embd {c.n_embd} > K+V width {2 * c.kv_dim}; --cache-mode kv is smaller")
+        return line
+
+    # ---- storing and rebuilding ----
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+                  pos: int) -> torch.Tensor:
+        """Store x (B, T, n_embd), then attend q (B, T, H, D) over K/V rebuilt from the stored x.
+        k and v, the block's own projections of this batch, are unused: the new positions are
+        rebuilt from their stored (possibly lossy) x like every other."""
+        from kvcli.attention import attend_reference
+
+        B, T, E = x.shape
+        if pos + T > self.n_ctx:
+            raise KvcliError(f"context full: {pos + T} tokens do not fit in a {self.n_ctx}-token cache")
+        self.h.store(layer, x.float().reshape(B, T, self.h.n_heads, self.h.head_dim), pos)
+        self._pair_key = None  # the stored contents changed
+        if q.is_cuda:  # Triton decode kernel; imported here so CPU users never import triton
+            from kernels.hidden import attend_hidden_cuda
+
+            out = attend_hidden_cuda(q, self, layer, pos)
+            if out is not None:
+                return out
+        return attend_reference(q, self, layer, pos, flash=self.flash_attn)
+
+    def load_x(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Stored x of positions start..end-1 as (B, end - start, n_embd) f32, back in the model's space."""
+        x = self.h.from_storage(self.h.load(layer, start, end))  # (B, Hs, n, Ds)
+        return x.transpose(1, 2).reshape(x.shape[0], end - start, self.config.n_embd)
+
+    def rebuild(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K = RoPE(x Wk), V = x Wv at positions start..end-1, each (B, Hkv, n, D) f32."""
+        key = (layer, start, end)
+        if self._pair_key == key:
+            return self._pair
+        c, block = self.config, self.model.blocks[layer]
+        w = block.wqkv[block.q_dim :]  # (2 * kv_dim, n_embd): the K and V rows of the fused projection
+        x = self.load_x(layer, start, end).to(block.dtype)  # the values the block multiplied
+        if x.device.type == "cpu" and x.dtype == torch.float16:
+            # CPU f16 GEMMs with many rows run at half the f32 speed: multiply the same values in f32
+            x, w = x.float(), w.float()
+        kv = F.linear(x, w).float()  # (B, n, 2 * kv_dim)
+        B, n = kv.shape[:2]
+        from kvcli.model import apply_rope
+
+        k = apply_rope(kv[..., : c.kv_dim].reshape(B, n, c.n_kv_heads, c.head_dim), self.model.rot[start:end])
+        v = kv[..., c.kv_dim :].reshape(B, n, c.n_kv_heads, c.head_dim)
+        self._pair_key, self._pair = key, (k.transpose(1, 2), v.transpose(1, 2))
+        return self._pair
+
+    def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
+        rot = self.model.rot
+        if self._cos_sin is None or self._cos_sin[0].device != rot.device:
+            self._cos_sin = (rot.real.contiguous().float(), rot.imag.contiguous().float())
+        return self._cos_sin
+
+
+# ---- the helpers `run` and `perplexity` share ----
+
+def validate_cache_flags(cache_mode: str, k_given: bool, v_given: bool, h_given: bool) -> None:
+    """KvcliError for a mode/type-flag combination that would be silently ignored."""
+    if cache_mode not in CACHE_MODES:
+        raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {cache_mode!r}")
+    if cache_mode == "hidden" and (k_given or v_given):
+        raise KvcliError("-ctk/-ctv set the K/V cache types, but --cache-mode hidden stores no K/V; "
+                         "use -cth/--cache-type-h for the hidden state's type")
+    if cache_mode == "kv" and h_given:
+        raise KvcliError("-cth/--cache-type-h sets the hidden-state cache type; it needs --cache-mode hidden or auto")
+
+
+def resolve_cache_mode(config, n_ctx: int, cache_mode: str, type_k: str = "f16", type_v: str = "f16",
+                       type_h: str = "f16") -> str:
+    """'kv' or 'hidden'; auto picks hidden only where its bytes are below K+V's at the given types."""
+    if cache_mode == "auto":
+        c = config
+        kv = KVCache.bytes_needed(c.n_layers, 1, c.kv_dim, n_ctx, type_k, type_v)
+        hidden = HiddenCache.bytes_needed(c.n_layers, 1, c.n_embd, n_ctx, type_h)
+        return "hidden" if hidden < kv else "kv"
+    if cache_mode not in ("kv", "hidden"):
+        raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {cache_mode!r}")
+    return cache_mode
+
+
+def cache_bytes(config, n_seq: int, n_ctx: int, cache_mode: str, type_k: str = "f16", type_v: str = "f16",
+                type_h: str = "f16") -> int:
+    """The bytes `make_cache` will allocate (for the memory check before loading weights)."""
+    c = config
+    if resolve_cache_mode(c, n_ctx, cache_mode, type_k, type_v, type_h) == "hidden":
+        return HiddenCache.bytes_needed(c.n_layers, n_seq, c.n_embd, n_ctx, type_h)
+    return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, type_k, type_v)
+
+
+def make_cache(config, n_seq: int, n_ctx: int, cache_mode: str = "kv", type_k: str = "f16", type_v: str = "f16",
+               type_h: str = "f16", device: str = "cpu", flash_attn: bool = True, model=None):
+    """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`)."""
+    c = config
+    if resolve_cache_mode(c, n_ctx, cache_mode, type_k, type_v, type_h) == "hidden":
+        return HiddenCache(c, n_seq, n_ctx, type_h, device=device, flash_attn=flash_attn, model=model)
+    return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, type_k, type_v, device=device,
+                   flash_attn=flash_attn)

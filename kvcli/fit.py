@@ -1,0 +1,121 @@
+"""`kvcli fit` and `kvcli info`: what each cache choice costs per token, and the longest
+context each one reaches in a memory budget (the same arithmetic as the run-time check)."""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+from kvcli.errors import KvcliError
+from kvcli.memory import WORKING_BYTES
+
+UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
+         "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+
+
+def parse_bytes(text: str) -> int:
+    """'8GiB', '8G' (binary), '8GB' (decimal), '512MiB', '1000000' -> bytes."""
+    s = text.strip().lower().replace(" ", "")
+    number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
+    unit = s[len(number):]
+    try:
+        value = float(number)
+    except ValueError:
+        raise KvcliError(f"cannot read a memory size from {text!r} (e.g. 8GiB, 512MiB)") from None
+    if unit not in UNITS or value <= 0:
+        raise KvcliError(f"cannot read a memory size from {text!r} (e.g. 8GiB, 512MiB)")
+    return int(value * UNITS[unit])
+
+
+@dataclass(frozen=True)
+class Choice:
+    mode: str  # kv | hidden
+    type_k: str = "f16"
+    type_v: str = "f16"
+    type_h: str = "f16"
+
+    @property
+    def label(self) -> str:
+        return f"hidden {self.type_h}" if self.mode == "hidden" else f"kv {self.type_k}/{self.type_v}"
+
+    def sweep_key(self) -> tuple[str, str]:
+        return (self.type_k, self.type_v)
+
+
+def choices() -> list[Choice]:
+    """Every KV type as a K=V pair, llama.cpp's mixed favourites, and every hidden-state type."""
+    from kvcli.cache import STORAGE_TYPES
+
+    types = list(STORAGE_TYPES)
+    kv = [Choice("kv", t, t) for t in types] + [Choice("kv", "q8_0", "q4_hadamard"), Choice("kv", "q4_hadamard", "f16")]
+    return kv + [Choice("hidden", type_h=t) for t in types]
+
+
+def cache_bytes(config, choice: Choice, n_ctx: int, n_seq: int = 1) -> int:
+    from kvcli.cache.hidden import cache_bytes as planned
+
+    return planned(config, n_seq, n_ctx, choice.mode, choice.type_k, choice.type_v, choice.type_h)
+
+
+def bits_per_element(choice: Choice) -> float:
+    from kvcli.cache import resolve_type
+
+    if choice.mode == "hidden":
+        return resolve_type(choice.type_h).bits_per_element()
+    return (resolve_type(choice.type_k).bits_per_element() + resolve_type(choice.type_v).bits_per_element()) / 2
+
+
+def largest_context(config, choice: Choice, room: int) -> int:
+    """The most tokens n with cache_bytes(n) <= room (bytes are affine in n past a few sink cells)."""
+    if room <= 0:
+        return 0
+    per_token = (cache_bytes(config, choice, 2048) - cache_bytes(config, choice, 1024)) / 1024
+    n = max(0, int((room - (cache_bytes(config, choice, 1024) - 1024 * per_token)) // per_token))
+    while n > 0 and cache_bytes(config, choice, n) > room:  # guard the rounding
+        n -= 1
+    return n
+
+
+def load_sweep(path: Path | None) -> dict[tuple[str, str], dict]:
+    """Rows of `kvcli perplexity --sweep --json` keyed by (K type, V type)."""
+    if path is None:
+        return {}
+    try:
+        rows = json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise KvcliError(f"cannot read sweep results {path}: {e}") from None
+    rows = rows.get("rows", rows) if isinstance(rows, dict) else rows
+    out = {}
+    for r in rows:
+        k, v = r.get("type_k", r.get("k")), r.get("type_v", r.get("v"))
+        if k and v:
+            out[(k, v)] = {"kld": r.get("mean_kld", r.get("kld"))}
+    return out
+
+
+def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict) -> tuple[list[dict], dict | None]:
+    """One row per choice: bytes per token, largest context, KLD where the sweep has it; and the
+    recommendation: the most faithful choice reaching ctx_wanted (lowest KLD, else most bits)."""
+    room = mem - weight_bytes - WORKING_BYTES
+    rows = []
+    for ch in choices():
+        n = largest_context(config, ch, room)
+        kld = sweep.get(ch.sweep_key(), {}).get("kld") if ch.mode == "kv" else None
+        rows.append({"choice": ch.label, "mode": ch.mode, "type_k": ch.type_k if ch.mode == "kv" else None,
+                     "type_v": ch.type_v if ch.mode == "kv" else None, "type_h": ch.type_h if ch.mode == "hidden" else None,
+                     "bits": bits_per_element(ch), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
+                     "max_ctx": n, "kld": kld})
+    reach = [r for r in rows if r["max_ctx"] >= ctx_wanted]
+    if not reach:
+        return rows, None
+    best = min(reach, key=lambda r: (r["kld"] if r["kld"] is not None else math.inf, -r["bits"]))
+    return rows, best
+
+
+
+def weight_bytes(gguf_model, dtype: str) -> int:
+    from kvcli.shapes import weight_bytes as of_config
+
+    return of_config(gguf_model.config, dtype, "output.weight" in gguf_model.tensors)

@@ -1,0 +1,58 @@
+"""Published Llama-family configurations, for speed and memory runs with random weights.
+
+A synthetic model is never used for fidelity: every output that comes from one says so.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from kvcli.config import ModelConfig
+from kvcli.errors import KvcliError
+
+_COMMON = dict(arch="llama", rms_eps=1e-5)
+SHAPES: dict[str, dict] = {
+    # Llama 2 (Touvron et al., 2023): MHA
+    "llama2-7b": dict(n_layers=32, n_embd=4096, n_ff=11008, n_heads=32, n_kv_heads=32, head_dim=128,
+                      vocab_size=32000, context_length=4096, rope_base=10000.0),
+    "llama2-13b": dict(n_layers=40, n_embd=5120, n_ff=13824, n_heads=40, n_kv_heads=40, head_dim=128,
+                       vocab_size=32000, context_length=4096, rope_base=10000.0),
+    # Llama 3 8B and Mistral 7B: GQA with 8 KV heads
+    "llama3-8b": dict(n_layers=32, n_embd=4096, n_ff=14336, n_heads=32, n_kv_heads=8, head_dim=128,
+                      vocab_size=128256, context_length=8192, rope_base=500000.0),
+    "mistral-7b": dict(n_layers=32, n_embd=4096, n_ff=14336, n_heads=32, n_kv_heads=8, head_dim=128,
+                       vocab_size=32000, context_length=32768, rope_base=10000.0),
+    # SmolLM2-135M's own shape, random weights: a quick check of the synthetic path
+    "smollm2-135m": dict(n_layers=30, n_embd=576, n_ff=1536, n_heads=9, n_kv_heads=3, head_dim=64,
+                         vocab_size=49152, context_length=8192, rope_base=100000.0),
+}
+
+
+def shape_config(name: str) -> ModelConfig:
+    if name not in SHAPES:
+        raise KvcliError(f"unknown --shape {name!r}; choose one of: {', '.join(SHAPES)}")
+    return ModelConfig(**_COMMON, **SHAPES[name])
+
+
+def random_weights(c: ModelConfig, dtype: torch.dtype, device: str, seed: int = 0):
+    """Yield (GGUF tensor name, tensor) with N(0, 0.02) matrices and unit norms, made on `device`
+    one at a time (a 7B model is never built twice in host memory)."""
+    from kvcli.gguf_file import expected_shapes
+
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in expected_shapes(c).items():
+        if len(shape) == 1:
+            yield name, torch.ones(shape, device=device)
+        else:
+            yield name, torch.randn(shape, generator=g, device=device, dtype=dtype) * 0.02
+
+
+def weight_bytes(c: ModelConfig, dtype: str, untied_output: bool = False) -> int:
+    """The decoder's weights in memory at the compute dtype (norms stay f32), as Llama holds them."""
+    from kvcli.gguf_file import expected_shapes
+
+    size = 4 if dtype == "f32" else 2
+    n = sum(math.prod(s) * (4 if len(s) == 1 else size) for s in expected_shapes(c).values())
+    return n + (c.vocab_size * c.n_embd * size if untied_output else 0)

@@ -1,0 +1,97 @@
+"""`kvcli bench` argument combinations and `kvcli fit`'s arithmetic against the byte formulas."""
+
+import json
+
+import pytest
+
+from kvcli.bench import combinations, run_bench, to_csv, to_json, to_markdown
+from kvcli.config import ModelConfig
+from kvcli.errors import KvcliError
+from kvcli.fit import Choice, cache_bytes, choices, fit_table, largest_context, parse_bytes
+from kvcli.memory import WORKING_BYTES
+
+SMOL = ModelConfig(arch="llama", n_layers=30, n_embd=576, n_ff=1536, n_heads=9, n_kv_heads=3, head_dim=64,
+                   vocab_size=49152, context_length=8192, rms_eps=1e-5, rope_base=1e5)
+
+
+def test_combinations_do_not_repeat():
+    combos = combinations(["kv", "hidden"], ["f16", "q8_0"], ["f16"], ["f16", "q4_0"], ["on", "off"])
+    assert len(combos) == len(set(combos)) == 2 * 2 + 2 * 2
+    assert ("hidden", "-", "-", "q4_0", "off") in combos and ("kv", "q8_0", "f16", "-", "on") in combos
+
+
+@pytest.mark.parametrize("text,value", [("8GiB", 8 * 2**30), ("8G", 8 * 2**30), ("8GB", 8 * 10**9),
+                                        ("512MiB", 512 * 2**20), ("1.5g", int(1.5 * 2**30)), ("1000", 1000)])
+def test_parse_bytes(text, value):
+    assert parse_bytes(text) == value
+
+
+def test_parse_bytes_rejects_nonsense():
+    for bad in ("", "lots", "8XB", "-1G"):
+        with pytest.raises(KvcliError):
+            parse_bytes(bad)
+
+
+def test_cache_bytes_follow_the_formula():
+    L, kv, E = SMOL.n_layers, SMOL.kv_dim, SMOL.n_embd
+    assert cache_bytes(SMOL, Choice("kv", "f16", "f16"), 4096) == 2 * L * 4096 * kv * 2
+    assert cache_bytes(SMOL, Choice("kv", "q4_0", "q8_0"), 4096) == L * 4096 * kv * (18 + 34) // 32
+    assert cache_bytes(SMOL, Choice("hidden", type_h="q8_0"), 4096) == L * 4096 * E * 34 // 32
+
+
+@pytest.mark.parametrize("choice", choices(), ids=lambda c: c.label)
+def test_largest_context_is_exact(choice):
+    room = 3 * 2**30 + 12345
+    n = largest_context(SMOL, choice, room)
+    assert cache_bytes(SMOL, choice, n) <= room < cache_bytes(SMOL, choice, n + 1)
+
+
+def test_fit_recommends_most_faithful_that_reaches(tmp_path):
+    weights = 270 * 2**20
+    mem = weights + WORKING_BYTES + cache_bytes(SMOL, Choice("kv", "q8_0", "q8_0"), 65536)
+    sweep = {("f16", "f16"): {"kld": 0.0}, ("q8_0", "q8_0"): {"kld": 0.0005}, ("q4_0", "q4_0"): {"kld": 0.14},
+             ("q4_hadamard", "q4_hadamard"): {"kld": 0.018}}
+    rows, best = fit_table(SMOL, weights, mem, 65536, sweep)
+    assert best["choice"] == "kv q8_0/q8_0"  # f16 does not reach 64k here; q8_0 just does
+    by = {r["choice"]: r for r in rows}
+    assert by["kv f16/f16"]["max_ctx"] < 65536 <= by["kv q8_0/q8_0"]["max_ctx"]
+    rows, best = fit_table(SMOL, weights, mem, 10**7, sweep)
+    assert best is None
+
+
+def test_bench_rows_and_formats(tmp_path):
+    from kvcli.llama import Llama
+    from tiny import make_hf_model, write_gguf
+
+    path = write_gguf(make_hf_model(n_heads=2, n_kv_heads=1, hidden=64), tmp_path / "t.gguf")
+
+    def make(ctx, mode, tk, tv, th, fa):
+        return Llama(path, ctx_size=ctx, dtype="f32", cache_type_k=tk, cache_type_v=tv, flash_attn=fa)
+
+    combos = combinations(["kv"], ["f16", "f32"], ["f16"], ["f16"], ["on"])
+    rows = run_bench(make, "t.gguf", 8, 4, [0, 16], combos, reps=2, threads=1, backend="CPU")
+    assert [r.test for r in rows[:4]] == ["pp8", "tg4", "pp8 @ d16", "tg4 @ d16"]
+    assert len(rows) == 8 and all(r.tokens_per_s > 0 for r in rows)
+    md = to_markdown(rows)
+    assert md.count("\n") == 1 + len(rows) and "| t.gguf |" in md
+    assert json.loads(to_json(rows))[0]["type_k"] == "f16"
+    assert to_csv(rows).count("\n") == len(rows) + 1
+
+
+def test_info_and_fit_cli(default_model, tmp_path):
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    r = CliRunner().invoke(app, ["info", "-m", str(default_model)])
+    assert r.exit_code == 0, r.output
+    assert "30 layers" in r.stdout and "210 x Q4_1" in r.stdout and "q4_hadamard" in r.stdout
+    sweep = tmp_path / "sweep.json"
+    sweep.write_text(json.dumps({"rows": [{"type_k": "q8_0", "type_v": "q8_0", "mean_kld": 0.0005},
+                                          {"type_k": "q4_0", "type_v": "q4_0", "mean_kld": 0.14}]}))
+    r = CliRunner().invoke(app, ["fit", "-m", str(default_model), "--mem", "1GiB", "--ctx", "32768",
+                                 "--sweep", str(sweep)])
+    assert r.exit_code == 0, r.output
+    assert "recommended for 32,768 tokens: kv q8_0/q8_0" in r.stdout
+    r = CliRunner().invoke(app, ["fit", "-m", str(default_model), "--mem", "300MiB", "--ctx", "32768"])
+    assert r.exit_code == 1 and "no cache choice reaches" in r.stderr
