@@ -27,6 +27,7 @@ which understates rare targets' NLL: -0.2% on 4 chunks of WikiText-2 with SmolLM
 from __future__ import annotations
 
 import json
+import os
 import math
 import struct
 import sys
@@ -342,9 +343,10 @@ class BaseWriter:
         import numpy as np
 
         self.path = Path(path)
+        self.part = self.path.with_name(f".{self.path.name}.part")  # renamed into place only when complete
         self.records = _record_dtype(header["n_vocab"])
         try:
-            self.f = open(self.path, "wb")
+            self.f = open(self.part, "wb")
         except OSError as e:
             raise KvcliError(f"cannot write {path}: {e.strerror}") from None
         blob = json.dumps(dict(header, version=KLD_VERSION), sort_keys=True).encode()
@@ -360,8 +362,13 @@ class BaseWriter:
         rec["scale"], rec["min_log_prob"], rec["q"] = scale.numpy(), low.numpy(), q.numpy()
         self.f.write(rec.tobytes())
 
-    def close(self) -> None:
+    def close(self, complete: bool) -> None:
+        """complete: rename the file into place; otherwise remove it (never a half-written base)."""
         self.f.close()
+        if complete:
+            os.replace(self.part, self.path)
+        else:
+            self.part.unlink(missing_ok=True)
 
 
 @dataclass
@@ -611,8 +618,10 @@ def perplexity_command(
     batch_size: int = typer.Option(2048, "-b", "--batch-size",
                                    help="Tokens per forward pass: b // c chunks run together as sequences."),
     chunks: int = typer.Option(-1, "--chunks", help="Chunks to score (-1: all)."),
-    cache_type_k: str = typer.Option("f16", "-ctk", "--cache-type-k", help="K cache type (the sweep's base too)."),
-    cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="V cache type (the sweep's base too)."),
+    cache_type_k: Optional[str] = typer.Option(None, "-ctk", "--cache-type-k", help="K cache type, default f16 (the sweep's base too)."),
+    cache_type_v: Optional[str] = typer.Option(None, "-ctv", "--cache-type-v", help="V cache type, default f16 (the sweep's base too)."),
+    cache_mode: str = typer.Option("kv", "--cache-mode", help="kv, hidden (store each layer's input, rebuild K/V) or auto."),
+    cache_type_h: Optional[str] = typer.Option(None, "-cth", "--cache-type-h", help="Hidden-state cache type (default f16)."),
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype of the weights: f32, f16 or bf16."),
     threads: Optional[int] = typer.Option(None, "-t", "--threads", help="CPU threads (default: torch's choice)."),
     kl_divergence_base: Optional[Path] = typer.Option(
@@ -631,7 +640,14 @@ def perplexity_command(
     with user_errors():
         from kvcli.cache import resolve_type
 
+        from kvcli.cache import validate_cache_flags
+
+        validate_cache_flags(cache_mode, cache_type_k is not None, cache_type_v is not None, cache_type_h is not None)
+        cache_type_k, cache_type_v, cache_type_h = (t or "f16" for t in (cache_type_k, cache_type_v, cache_type_h))
+        resolve_type(cache_type_h)
         flash = parse_flash_attn(flash_attn)
+        if sweep_spec is not None and cache_mode != "kv":
+            raise KvcliError("--sweep compares K/V cache types; it runs with --cache-mode kv")
         base_pair = (resolve_type(cache_type_k).name, resolve_type(cache_type_v).name)
         pairs = parse_pairs(sweep_spec) if sweep_spec is not None else None
         if ctx_size <= 0:
@@ -669,7 +685,8 @@ def perplexity_command(
         n_chunk = inputs.shape[0]
         n_seq = balanced_n_seq(batch_size, ctx_size, n_chunk)
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_pair[0], cache_type_v=base_pair[1],
-                    batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log)
+                    batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
+                    cache_mode=cache_mode, cache_type_h=cache_type_h)
         if ctx_size > llm.config.context_length:
             log(f"warning: -c {ctx_size} exceeds the model's training context ({llm.config.context_length})")
         log(f"perplexity: calculating perplexity over {n_chunk} chunks, n_ctx={ctx_size}, "
@@ -677,7 +694,8 @@ def perplexity_command(
 
         header = dict(model=path.name, n_vocab=llm.config.vocab_size, n_ctx=ctx_size, n_chunk=n_chunk,
                       first=first_scored(ctx_size), n_scored=n_scored(ctx_size), bos_id=bos_id, dtype=dtype,
-                      cache_type_k=base_pair[0], cache_type_v=base_pair[1])
+                      cache_type_k=base_pair[0], cache_type_v=base_pair[1], cache_mode=llm.cache_mode,
+                      cache_type_h=cache_type_h)
         t_start = time.perf_counter()
         with _progress(err) as progress:
             if pairs:
@@ -712,6 +730,8 @@ def perplexity_command(
             log(f"perplexity: {n_chunk} chunks took {seconds:.2f} s")
             if json_file is not None:
                 _write_json(json_file, dict(header, seconds=seconds, **result))
+            if result.get("interrupted"):
+                raise typer.Exit(130)
 
 
 def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseWriter | None",
@@ -720,6 +740,7 @@ def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseW
     n_chunk = inputs.shape[0]
     stats, kld = PplStats(), KldStats()
     t_pass = time.perf_counter()
+    done = interrupted = False
     try:
         for i, lp in chunk_log_probs(llm, inputs, n_seq):
             if i == 0:  # llama.cpp's first-pass timing line
@@ -739,21 +760,27 @@ def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseW
                 kld.add(kld_terms(lp, log_base, targets[i], nll_base))
                 print(kld.chunk_line(i + 1), flush=True)
                 progress.update(task, advance=1, description=f"[{i + 1}] KLD {kld.kld / kld.count:.6f}")
+        done = True
+    except KeyboardInterrupt:  # Ctrl-C: report the estimate over the chunks scored so far
+        interrupted = True
+        log("perplexity: interrupted; the estimate below covers the chunks scored so far")
     finally:
         if writer is not None:
-            writer.close()
+            writer.close(complete=done)
     print(flush=True)
+    if (stats.count if base is None else kld.count) == 0:
+        return dict(interrupted=interrupted)
     if base is not None:
         s = kld.summary()
         for line in kld_report(s):
             print(line)
-        return dict(kld={k: v for k, v in s.items() if not isinstance(v, dict)})
+        return dict(kld={k: v for k, v in s.items() if not isinstance(v, dict)}, interrupted=interrupted)
     ppl, err = stats.estimate()
     if math.isnan(err):
         log("Unexpected negative standard deviation of log(prob)")
         print(f"Final estimate: PPL = {ppl:.4f}")
     else:
         print(f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}")
-    if writer is not None:
+    if writer is not None and not interrupted:
         log(f"perplexity: base log-probs written to {writer.path}")
-    return dict(ppl=ppl, ppl_err=err, count=stats.count)
+    return dict(ppl=ppl, ppl_err=err, count=stats.count, interrupted=interrupted)

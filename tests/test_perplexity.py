@@ -236,3 +236,34 @@ def test_sweep_row_equals_kld_against_saved_base(tiny, app, tmp_path):
     assert row["ppl"] == pytest.approx(k["ppl"], rel=1e-6)
     assert row["mean_kld"] == pytest.approx(k["kld"], rel=1e-4)
     assert row["same_top_pct"] == pytest.approx(100 * k["same_top"])
+
+
+def test_ctrl_c_prints_the_estimate_so_far_and_leaves_no_base(tiny, app, tmp_path, monkeypatch):
+    import kvcli.perplexity as ppl_mod
+
+    real = ppl_mod.chunk_log_probs
+
+    def interrupted_after_two(*args, **kwargs):
+        for i, lp in real(*args, **kwargs):
+            if i == 2:
+                raise KeyboardInterrupt
+            yield i, lp
+
+    monkeypatch.setattr(ppl_mod, "chunk_log_probs", interrupted_after_two)
+    _, path, text, _ = tiny
+    base = tmp_path / "base.kld"
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-b", N_CTX, "--kl-divergence-base", base)
+    assert r.exit_code == 130, r.output
+    assert "[2]" in r.stdout and "[3]" not in r.stdout and "Final estimate: PPL = " in r.stdout
+    assert not base.exists() and not list(tmp_path.iterdir())
+
+
+def test_hidden_cache_mode_f32_equals_kv_f32(tiny, app, tmp_path):
+    _, path, text, _ = tiny
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    r1 = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-ctk", "f32", "-ctv", "f32", "--json", a)
+    r2 = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--cache-mode", "hidden", "-cth", "f32", "--json", b)
+    assert r1.exit_code == 0 and r2.exit_code == 0, r2.output
+    assert json.loads(b.read_text())["ppl"] == pytest.approx(json.loads(a.read_text())["ppl"], rel=1e-5)
+    r3 = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--cache-mode", "hidden", "-ctk", "q8_0")
+    assert r3.exit_code == 1 and "-cth" in r3.stderr
