@@ -72,17 +72,18 @@ def _time_case(llm, test: str, n: int, depth: int) -> float:
     return n / (time.perf_counter() - t0)
 
 
-def run_bench(make_llm, model_name: str, n_prompt: int, n_gen: int, depths: list[int], combos, reps: int,
+def run_bench(make_llm, model_name: str, tests: list[tuple[str, int]], depths: list[int], combos, reps: int,
               threads: int, backend: str, synthetic: bool = False, progress=None) -> list[BenchRow]:
-    """make_llm(ctx, mode, type_k, type_v, type_h, flash_attn) -> Llama; one per combination."""
+    """tests: ("pp", n) and ("tg", n) as llama-bench's -p and -n values (0 skips);
+    make_llm(ctx, mode, type_k, type_v, type_h, flash_attn) -> Llama, one per combination."""
     rows = []
-    ctx = max(depths) + max(n_prompt, n_gen) + 1
+    ctx = max(depths) + max(n for _, n in tests) + 1
     for mode, tk, tv, th, fa in combos:
         llm = make_llm(ctx, mode, tk if tk != "-" else "f16", tv if tv != "-" else "f16",
                        th if th != "-" else "f16", fa != "off")
         params = sum(t.numel() for t in llm.model.buffers()) / 1e6
         for depth in depths:
-            for test, n in (("pp", n_prompt), ("tg", n_gen)):
+            for test, n in tests:
                 if n <= 0:
                     continue
                 _time_case(llm, test, min(n, 16), 0)  # warm-up

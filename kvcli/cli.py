@@ -243,7 +243,10 @@ def bench(model: Optional[Path] = ModelOpt,
           output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
           threads: Optional[int] = ThreadsOpt,
           dtype: str = typer.Option("f16", "--dtype"),
-          device: str = typer.Option("cpu", "--device", help="cpu or cuda.")):
+          device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
+          shape: Optional[str] = typer.Option(None, "--shape", help="A published configuration with random weights "
+                                              "(llama2-7b, llama2-13b, llama3-8b, mistral-7b, smollm2-135m): speed "
+                                              "and memory only, labelled synthetic.")):
     """llama-bench: pp/tg tokens/s and cache MiB for every combination of the listed cache choices."""
     with user_errors():
         from kvcli.bench import combinations, run_bench, split_list, to_csv, to_json, to_markdown
@@ -264,7 +267,11 @@ def bench(model: Optional[Path] = ModelOpt,
                 raise KvcliError(f"--cache-mode takes kv or hidden in bench, not {m!r}")
         for f in fas:
             parse_flash_attn(f)
-        path = resolve_model(model)
+        if shape is not None:
+            from kvcli.shapes import shape_config
+
+            shape_config(shape)  # a clear error for an unknown name
+        path = resolve_model(model) if shape is None else None
 
         import torch
 
@@ -275,14 +282,17 @@ def bench(model: Optional[Path] = ModelOpt,
 
         def make(ctx, mode, tk, tv, th, fa):
             return Llama(path, ctx_size=ctx, dtype=dtype, cache_type_k=tk, cache_type_v=tv, cache_mode=mode,
-                         cache_type_h=th, flash_attn=fa, device=device)
+                         cache_type_h=th, flash_attn=fa, device=device, shape=shape)
 
-        rows = []
         combos = combinations(modes, ctks, ctvs, cths, fas)
         backend = "CUDA" if device == "cuda" else "CPU"
-        for p, n in zip(ps, ns) if len(ps) == len(ns) else [(p, n) for p in ps for n in ns]:
-            rows += run_bench(make, path.name, p, n, ds, combos, repetitions, torch.get_num_threads(), backend,
-                              progress=lambda r: log(f"{r.cache_mode} {r.type_k}/{r.type_v}/{r.type_h} fa {r.fa} "
-                                                     f"{r.test}: {r.tokens_per_s:.2f} t/s"))
+        name = path.name if shape is None else shape
+        tests = [("pp", p) for p in ps if p > 0] + [("tg", n) for n in ns if n > 0]
+        if not tests:
+            raise KvcliError("nothing to measure: give -p and/or -n above 0")
+        rows = run_bench(make, name, tests, ds, combos, repetitions, torch.get_num_threads(), backend,
+                         synthetic=shape is not None,
+                         progress=lambda r: log(f"{r.cache_mode} {r.type_k}/{r.type_v}/{r.type_h} fa {r.fa} "
+                                                f"{r.test}: {r.tokens_per_s:.2f} t/s"))
         text = {"md": to_markdown, "json": to_json, "csv": to_csv}[output](rows)
         sys.stdout.write(text + "\n")

@@ -69,7 +69,7 @@ def test_bench_rows_and_formats(tmp_path):
         return Llama(path, ctx_size=ctx, dtype="f32", cache_type_k=tk, cache_type_v=tv, flash_attn=fa)
 
     combos = combinations(["kv"], ["f16", "f32"], ["f16"], ["f16"], ["on"])
-    rows = run_bench(make, "t.gguf", 8, 4, [0, 16], combos, reps=2, threads=1, backend="CPU")
+    rows = run_bench(make, "t.gguf", [("pp", 8), ("tg", 4)], [0, 16], combos, reps=2, threads=1, backend="CPU")
     assert [r.test for r in rows[:4]] == ["pp8", "tg4", "pp8 @ d16", "tg4 @ d16"]
     assert len(rows) == 8 and all(r.tokens_per_s > 0 for r in rows)
     md = to_markdown(rows)
@@ -95,3 +95,20 @@ def test_info_and_fit_cli(default_model, tmp_path):
     assert "recommended for 32,768 tokens: kv q8_0/q8_0" in r.stdout
     r = CliRunner().invoke(app, ["fit", "-m", str(default_model), "--mem", "300MiB", "--ctx", "32768"])
     assert r.exit_code == 1 and "no cache choice reaches" in r.stderr
+
+
+def test_bench_cli_synthetic_shape_and_errors():
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+
+    r = CliRunner().invoke(app, ["bench", "--shape", "smollm2-135m", "-p", "8", "-n", "2", "-r", "1", "-d", "0,8",
+                                 "-ctk", "f16,q8_0", "--cache-mode", "kv,hidden", "-o", "json"])
+    assert r.exit_code == 0, r.output
+    rows = json.loads(r.stdout)
+    assert len(rows) == 3 * 2 * 2 and all(row["synthetic"] for row in rows)  # (2 kv + 1 hidden) x 2 depths x pp/tg
+    assert {row["test"] for row in rows} == {"pp8", "tg2", "pp8 @ d8", "tg2 @ d8"}
+    for bad, word in [(["-o", "xml"], "md, json or csv"), (["-ctk", "q9"], "unknown cache type"),
+                      (["--shape", "gpt5"], "unknown --shape"), (["-p", "x"], "integers")]:
+        r = CliRunner().invoke(app, ["bench", "--shape", "smollm2-135m", *bad])
+        assert r.exit_code == 1 and word in r.stderr, r.output
