@@ -154,13 +154,6 @@ app.command("convert", help="Convert a Hugging Face Llama/Mistral checkpoint dir
 app.command("perplexity", help="Perplexity and KL divergence over a text file, llama-perplexity's method; --sweep compares cache types.")(perplexity_command)
 
 
-def main() -> None:  # pragma: no cover - console script entry for `python -m kvcli`
-    app()
-
-
-if __name__ == "__main__":  # pragma: no cover
-    sys.exit(main())
-
 
 def _rich_table(title: str, columns: list[str], rows: list[list[str]]):
     from rich.table import Table
@@ -296,3 +289,11 @@ def bench(model: Optional[Path] = ModelOpt,
                                                 f"{r.test}: {r.tokens_per_s:.2f} t/s"))
         text = {"md": to_markdown, "json": to_json, "csv": to_csv}[output](rows)
         sys.stdout.write(text + "\n")
+
+
+def main() -> None:  # pragma: no cover - console script entry for `python -m kvcli`
+    app()
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import torch
 
+from kernels import use_triton
 from kvcli.cache.base import Store
 
 
@@ -19,7 +20,7 @@ class DenseStore(Store):
         return self.data.numel() * self.data.element_size()
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        if x.is_cuda:  # Triton write kernel (kernels/quantize.py); triton is imported only here
+        if use_triton(x):  # Triton write kernel (kernels/quantize.py); triton is imported only here
             from kernels.quantize import quantize_into
 
             quantize_into(self.name, x, self.data[layer], pos)

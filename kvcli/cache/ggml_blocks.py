@@ -12,6 +12,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import use_triton
 from kvcli.cache.base import Store
 
 # The one table of sizes: name -> (elements per block, bytes per block, scales included).
@@ -107,7 +108,7 @@ class GgmlBlockStore(Store):
         return self.data.numel()
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        if x.is_cuda:  # Triton quantize-on-write (kernels/quantize.py), byte-equal to quantize_blocks
+        if use_triton(x):  # Triton quantize-on-write (kernels/quantize.py), byte-equal to quantize_blocks
             from kernels.quantize import quantize_into
 
             quantize_into(self.name, x, self.data[layer], pos)

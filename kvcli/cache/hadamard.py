@@ -21,6 +21,7 @@ import math
 
 import torch
 
+from kernels import use_triton
 from kvcli.cache.base import Store
 from kvcli.cache.ggml_blocks import GGML_BLOCKS, Q4_0Store, _f16_bytes, _pack_nibbles
 from kvcli.errors import KvcliError
@@ -88,7 +89,7 @@ class HadamardQ4Store(Store):
         return x @ self.rot
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        if x.is_cuda:  # the same steps with the 4-bit write in Triton (kernels/quantize.py)
+        if use_triton(x):  # the same steps with the 4-bit write in Triton (kernels/quantize.py)
             from kernels.quantize import store_hadamard
 
             store_hadamard(self, layer, x, pos)

@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels import use_triton
 from kvcli.cache.base import KVCache, resolve_type
 from kvcli.errors import KvcliError
 
@@ -111,7 +112,7 @@ class HiddenCache:
             raise KvcliError(f"context full: {pos + T} tokens do not fit in a {self.n_ctx}-token cache")
         self.h.store(layer, x.float().reshape(B, T, self.h.n_heads, self.h.head_dim), pos)
         self._pair_key = None  # the stored contents changed
-        if q.is_cuda:  # Triton decode kernel; imported here so CPU users never import triton
+        if use_triton(q):  # Triton decode kernel; imported here so CPU users never import triton
             from kernels.hidden import attend_hidden_cuda
 
             out = attend_hidden_cuda(q, self, layer, pos)

@@ -1,0 +1,32 @@
+#!/usr/bin/env bash
+# The prepared GPU check (issues 5-7): one short run on a CUDA machine. Installs nothing: it needs
+# the GPU machine's own torch and triton plus kvcli's pure-Python dependencies (gguf, typer, rich,
+# sentencepiece, tokenizers, jinja2; carry them as wheels where absent, see the device tool's notes).
+# The real model file cannot travel there (98 MB), so the default model's rows use its published
+# shape with random weights (`--shape smollm2-135m`, labelled synthetic): the same speed, no text.
+#   bash benchmarks/gpu.sh [quick]      # quick: fewer depths and repetitions
+set -euo pipefail
+cd "$(dirname "$0")/.."
+export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+python3 -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
+nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
+R=3; DEPTHS=0,4096,32768; BIG=4096,32768
+if [ "${1:-}" = quick ]; then R=1; DEPTHS=0,4096; BIG=4096; fi
+
+echo "== 1. Triton kernels against their PyTorch references on the GPU, and attention bandwidth"
+python3 benchmarks/gpu_kernels.py --depths 4096 32768 --types f16 q8_0 q4_0 q4_hadamard
+
+bench() { python3 -m kvcli.cli bench --device cuda -r "$R" "$@"; }
+echo "== 2. SmolLM2-135M shape (GQA 9/3): pp512 / tg128 at depths $DEPTHS"
+for t in f16 q8_0 q4_0 q4_hadamard; do
+  bench --shape smollm2-135m -p 512 -n 128 -d "$DEPTHS" -ctk "$t" -ctv "$t"
+done
+bench --shape smollm2-135m -p 512 -n 128 -d "$DEPTHS" --cache-mode hidden -cth f16
+
+echo "== 3. llama2-7b shape (MHA): tg128 at depths $BIG; Triton on, then off (PyTorch reference on CUDA)"
+for t in f16 q8_0 q4_0 q4_hadamard; do
+  bench --shape llama2-7b -p 0 -n 128 -d "$BIG" -ctk "$t" -ctv "$t"
+  KVCLI_TRITON=0 bench --shape llama2-7b -p 0 -n 32 -d "$BIG" -ctk "$t" -ctv "$t" | sed 's/| CUDA |/| CUDA, Triton off |/'
+done
+bench --shape llama2-7b -p 0 -n 128 -d "$BIG" --cache-mode hidden -cth f16,q4_hadamard
+echo "targets: q4_hadamard tg >= 2x f16 tg at d32768 on llama2-7b; attention kernel >= 70% of peak bandwidth (section 1)"
