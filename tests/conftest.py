@@ -35,3 +35,19 @@ def hf_default_model(default_model):
 
     model = AutoModelForCausalLM.from_pretrained(default_model.parent, gguf_file=default_model.name, dtype=torch.float32)
     return model.eval()
+
+
+@pytest.fixture(scope="session")
+def hf():
+    """A tiny random GQA LlamaForCausalLM (4 query heads, 2 KV heads, head size 16)."""
+    from tiny import make_hf_model
+
+    return make_hf_model(n_heads=4, n_kv_heads=2)
+
+
+@pytest.fixture(scope="session")
+def tiny(hf, tmp_path_factory):
+    """`hf` written as an f32 GGUF, as llama.cpp's converter lays it out."""
+    from tiny import write_gguf
+
+    return write_gguf(hf, tmp_path_factory.mktemp("tiny") / "tiny.gguf")

@@ -3,36 +3,17 @@
 import gguf
 import numpy as np
 import pytest
-from typer.testing import CliRunner
 
 from kvcli.cli import app
-from tiny import make_hf_model, write_gguf
-
-runner = CliRunner()
-
-
-@pytest.fixture(scope="module")
-def hf():
-    return make_hf_model(n_heads=4, n_kv_heads=2)
+from cli_checks import assert_clean_error, run, runner
+from tiny import write_gguf
 
 
-@pytest.fixture(scope="module")
-def tiny(hf, tmp_path_factory):
-    return write_gguf(hf, tmp_path_factory.mktemp("cli") / "tiny.gguf")
 
 
-def run(*args):
-    return runner.invoke(app, ["run", *map(str, args)])
 
 
-def assert_clean_error(result, *words):
-    assert result.exit_code == 1, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    assert "Traceback" not in result.output
-    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
-    for w in words:
-        assert w in errors[0], errors[0]
+
 
 
 def test_greedy_run_is_deterministic(tiny):

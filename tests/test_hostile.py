@@ -25,40 +25,20 @@ import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
-from typer.testing import CliRunner
 
-from kvcli.cli import app
 from kvcli.errors import KvcliError
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
+from cli_checks import assert_clean_error, run
 from tiny import make_hf_model, write_gguf
 
-runner = CliRunner()
 ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
 
-def run(*args, **kw):
-    return runner.invoke(app, ["run", *map(str, args)], **kw)
 
 
-def assert_clean_error(result, *words):
-    assert result.exit_code == 1, result.output
-    assert result.exception is None or isinstance(result.exception, SystemExit)
-    assert "Traceback" not in result.output
-    errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]
-    assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
-    for w in words:
-        assert w in errors[0], errors[0]
 
 
-@pytest.fixture(scope="module")
-def hf():
-    return make_hf_model(n_heads=4, n_kv_heads=2)
-
-
-@pytest.fixture(scope="module")
-def tiny(hf, tmp_path_factory):
-    return write_gguf(hf, tmp_path_factory.mktemp("hostile") / "tiny.gguf")
 
 
 # --- the scan agrees with gguf-py ------------------------------------------------------------------
