@@ -3,8 +3,9 @@
 It knows nothing of cache formats: each block hands q, its new K/V and its normed input x
 to `cache.attention`, which stores what its format keeps (K/V, or x for the hidden-state
 cache) and returns the attention output over what the cache holds.
-The residual stream, norms, RoPE and softmax run in f32; matmuls run in the weights'
-dtype (f16 weights multiply about 3x faster than f32 on this kind of CPU).
+The residual stream, norms, RoPE and softmax run in f32; a decode step multiplies in the
+weights' dtype (f16 weights: about 4x faster than f32 on this kind of CPU), a prefill batch
+on CPU upcasts them to f32 (this CPU's f16 GEMM is the slow one; see `linear`).
 """
 
 from __future__ import annotations
