@@ -278,20 +278,3 @@ def quantize_reference(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) 
     blocks = quantize(x.reshape(B, T, H, D // 32, 32))
     dst[:, :, pos : pos + T] = blocks.reshape(B, T, H, -1).transpose(1, 2)
 
-
-def store_hadamard(store, layer: int, x: torch.Tensor, pos: int) -> None:
-    """HadamardQ4Store.store with the 4-bit write in the kernel (rotation, sinks, offset as the store does)."""
-    from kvcli.cache.hadamard import N_SINK
-
-    T = x.shape[1]
-    r = store.to_storage(x.float())  # (B, T, H, D)
-    if pos == 0:
-        store.offset_set[layer] = False
-    if pos < N_SINK:
-        n = min(T, N_SINK - pos)
-        store.sink[layer, :, :, pos : pos + n] = r[:, :n].transpose(1, 2).half()
-    first = max(0, N_SINK - pos)
-    if not store.offset_set[layer] and first < T:
-        store.offset[layer] = r[:, first:].mean(dim=1, keepdim=True)
-        store.offset_set[layer] = True
-    quantize_into("q4_hadamard", r - store.offset[layer], store.data[layer], pos)

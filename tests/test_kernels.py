@@ -18,7 +18,7 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from kernels.attention import attend_kernel, attend_reference  # noqa: E402
 from kernels.dispatch import _attend, attend_cuda  # noqa: E402
-from kernels.quantize import quantize_into, quantize_reference, store_hadamard  # noqa: E402
+from kernels.quantize import quantize_into, quantize_reference  # noqa: E402
 from kvcli.attention import attend  # noqa: E402
 from kvcli.cache import KVCache  # noqa: E402
 from kvcli.cache.base import STORAGE_TYPES  # noqa: E402
@@ -78,15 +78,21 @@ def test_quantize_head_dims(kind, D):
     assert torch.equal(out, ref)
 
 
-def test_store_hadamard_matches_the_store():
-    """The CUDA branch's steps (rotation, sinks, offset, 4-bit write) equal HadamardQ4Store.store."""
+def test_store_hadamard_matches_the_store(monkeypatch):
+    """The store's Triton branch (rotation, sinks, offset, then the kernel's 4-bit write) equals
+    its PyTorch path: the switch is forced on for CPU tensors, which the interpreter runs."""
+    import kvcli.cache.hadamard as hadamard
+
     g = torch.Generator().manual_seed(3)
     a = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 16, 64)
     b = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 16, 64)
-    for pos, T in [(0, 6), (6, 1), (7, 3)]:  # prefill past the sinks, then decode steps
-        x = torch.randn(1, T, 2, 64, generator=g)
+    steps = [(0, 6), (6, 1), (7, 3)]  # prefill past the sinks, then decode steps
+    xs = [torch.randn(1, T, 2, 64, generator=g) for _, T in steps]
+    for (pos, _), x in zip(steps, xs):
         a.store(0, x, pos)
-        store_hadamard(b, 0, x, pos)
+    monkeypatch.setattr(hadamard, "use_triton", lambda t: True)
+    for (pos, _), x in zip(steps, xs):
+        b.store(0, x, pos)
     for name in ("data", "sink", "offset"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 

@@ -89,11 +89,6 @@ class HadamardQ4Store(Store):
         return x @ self.rot
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        if use_triton(x):  # the same steps with the 4-bit write in Triton (kernels/quantize.py)
-            from kernels.quantize import store_hadamard
-
-            store_hadamard(self, layer, x, pos)
-            return
         B, T, H, D = x.shape
         r = self.to_storage(x.float())  # (B, T, H, D)
         if pos == 0:
@@ -105,7 +100,13 @@ class HadamardQ4Store(Store):
         if not self.offset_set[layer] and first < T:
             self.offset[layer] = r[:, first:].mean(dim=1, keepdim=True)
             self.offset_set[layer] = True
-        blocks = quantize_q4_mse((r - self.offset[layer]).reshape(B, T, H, D // 32, 32))
+        y = r - self.offset[layer]
+        if use_triton(y):  # the 4-bit write in Triton (kernels/quantize.py), byte-equal to quantize_q4_mse
+            from kernels.quantize import quantize_into
+
+            quantize_into(self.name, y, self.data[layer], pos)
+            return
+        blocks = quantize_q4_mse(y.reshape(B, T, H, D // 32, 32))
         self.data[layer, :, :, pos : pos + T] = blocks.reshape(B, T, H, self.row_bytes).transpose(1, 2)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
