@@ -42,8 +42,8 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool =
     qg = cache.k.to_storage(qg) * (1.0 / math.sqrt(D))
     end = pos + T
     chunk = max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * D))
-    # Query row r sits at position pos + r % T; it may see keys j <= pos + r % T.
-    q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]  # (G*T, 1)
+    # Query row r sits at position pos + r % T; it may see keys j <= pos + r % T (a mask for T > 1 only).
+    q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None] if T > 1 else None  # (G*T, 1)
 
     def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, G*T, c1 - c0)
         s = qg @ cache.k.load(layer, c0, c1).transpose(-1, -2)

@@ -124,8 +124,9 @@ class Llama:
             raise KvcliError("nothing to evaluate: empty token list")
         if self.n_past + len(ids) > self.n_ctx:
             raise KvcliError(f"{self.n_past + len(ids)} tokens do not fit in the {self.n_ctx}-token context")
+        if min(ids) < 0 or max(ids) >= self.config.vocab_size:  # on the list: no device sync per token
+            raise KvcliError(f"token id out of range 0..{self.config.vocab_size - 1}")
         tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device)[None]
-        self._check_ids(tokens)
         for i in range(0, tokens.shape[1], self.batch_size):
             logits = self.model(tokens[:, i : i + self.batch_size], self.cache, self.n_past, last_only=True)
             self.n_past += min(self.batch_size, tokens.shape[1] - i)
@@ -148,7 +149,7 @@ class Llama:
             history.append(token)
             produced += 1
             yield token
-            if token in eog:
+            if token in eog or produced == n_predict:  # the last token is not evaluated
                 return
             if self.n_past >= self.n_ctx:
                 timings.context_full = True

@@ -99,14 +99,6 @@ def test_empty_prompt(tiny):
     assert_clean_error(run("-m", tiny, "-p", ""), "empty prompt")
 
 
-def test_prompt_file_not_utf8(tiny, tmp_path):
-    p = tmp_path / "prompt.txt"
-    p.write_bytes(b"abc\xff\xfe")
-    assert_clean_error(run("-m", tiny, "-f", p), "byte offset 3")
-    ok = run("-m", tiny, "-f", p, "--encoding", "latin-1", "-n", 1, "--temp", 0)
-    assert ok.exit_code == 0, ok.output
-
-
 def test_help_is_plain():
     r = runner.invoke(app, ["run", "--help"])
     assert r.exit_code == 0

@@ -402,10 +402,6 @@ def test_run_names_the_largest_context_that_fits(tiny, monkeypatch):
 
 # --- odd prompt text -------------------------------------------------------------------------------
 
-def test_empty_prompt(tiny):
-    assert_clean_error(run("-m", tiny, "-p", ""), "empty prompt")
-
-
 def test_empty_prompt_file(tiny, tmp_path):
     p = tmp_path / "empty.txt"
     p.write_bytes(b"")

@@ -18,7 +18,6 @@ Also here: the helpers both `run` and `perplexity` use to pick and build a cache
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kernels import use_triton
 from kvcli.cache.base import KVCache, resolve_type
@@ -132,13 +131,10 @@ class HiddenCache:
             return self._pair
         c, block = self.config, self.model.blocks[layer]
         w = block.wqkv[block.q_dim :]  # (2 * kv_dim, n_embd): the K and V rows of the fused projection
-        x = self.load_x(layer, start, end).to(block.dtype)  # the values the block multiplied
-        if x.device.type == "cpu" and x.dtype == torch.float16:
-            # CPU f16 GEMMs with many rows run at half the f32 speed: multiply the same values in f32
-            x, w = x.float(), w.float()
-        kv = F.linear(x, w).float()  # (B, n, 2 * kv_dim)
+        from kvcli.model import apply_rope, linear
+
+        kv = linear(self.load_x(layer, start, end), w)  # (B, n, 2 * kv_dim), as the block multiplies
         B, n = kv.shape[:2]
-        from kvcli.model import apply_rope
 
         k = apply_rope(kv[..., : c.kv_dim].reshape(B, n, c.n_kv_heads, c.head_dim), self.model.rot[start:end])
         v = kv[..., c.kv_dim :].reshape(B, n, c.n_kv_heads, c.head_dim)
