@@ -11,7 +11,6 @@ import time
 
 import torch
 
-from kvcli.generate import Sampler
 from kvcli.llama import Llama
 from kvcli.models import pull_default
 

@@ -6,7 +6,9 @@ no step holds the whole cache in f32: with flash attention on, an online softmax
 (FlashAttention's recurrence) over the chunks; off, the scores are materialized (they are
 small: one row per query) and V is still read chunk by chunk. A store may keep vectors in
 a rotated space: the query goes into the K store's space and the output comes back out of
-the V store's. Triton kernels (CUDA) plug in here with the same signature.
+the V store's. The products q.K and p.V of a chunk are the stores' own (Store.scores,
+Store.weighted_sum): q8_0 and the q4 types compute them for decode straight from their bytes
+(kvcli/cache/block_products.py). Triton kernels (CUDA) plug in here with the same signature.
 """
 
 from __future__ import annotations
@@ -46,16 +48,16 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool =
     q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None] if T > 1 else None  # (G*T, 1)
 
     def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, G*T, c1 - c0)
-        s = qg @ cache.k.load(layer, c0, c1).transpose(-1, -2)
+        s = cache.k.scores(layer, qg, c0, c1)
         if c1 - 1 > pos:  # the chunk reaches this batch's own positions: causal mask
             s = s.masked_fill(torch.arange(c0, c1, device=q.device) > q_pos, float("-inf"))
         return s
 
     if end <= chunk:  # one chunk: plain softmax, the common case
-        out = torch.softmax(scores(0, end), dim=-1) @ cache.v.load(layer, 0, end)
+        out = cache.v.weighted_sum(layer, torch.softmax(scores(0, end), dim=-1), 0, end)
     elif not flash:  # materialized scores, V streamed
         p = torch.softmax(torch.cat([scores(c0, min(c0 + chunk, end)) for c0 in range(0, end, chunk)], -1), -1)
-        out = sum(p[..., c0 : c0 + chunk] @ cache.v.load(layer, c0, min(c0 + chunk, end))
+        out = sum(cache.v.weighted_sum(layer, p[..., c0 : c0 + chunk], c0, min(c0 + chunk, end))
                   for c0 in range(0, end, chunk))
     else:
         m = torch.full((B, Hkv, G * T, 1), float("-inf"), device=q.device)
@@ -68,7 +70,7 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool =
             p = torch.exp(s - m_new)
             scale = torch.exp(m - m_new)
             l = l * scale + p.sum(dim=-1, keepdim=True)
-            out = out * scale + p @ cache.v.load(layer, c0, c1)
+            out = out * scale + cache.v.weighted_sum(layer, p, c0, c1)
             m = m_new
         out = out / l
     out = cache.v.from_storage(out)

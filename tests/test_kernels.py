@@ -20,7 +20,7 @@ from kernels.attention import attend_kernel, attend_reference  # noqa: E402
 from kernels.dispatch import _attend, attend_cuda  # noqa: E402
 from kernels.quantize import quantize_into, quantize_reference  # noqa: E402
 from kvcli.attention import attend  # noqa: E402
-from kvcli.cache import KVCache  # noqa: E402
+from kvcli.cache import KVCache, block_products  # noqa: E402
 from kvcli.cache.base import STORAGE_TYPES  # noqa: E402
 
 ALL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_hadamard"]
@@ -33,6 +33,13 @@ def _quiet():
     with warnings.catch_warnings():  # numpy warns on masked-out lanes the interpreter still computes
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
+
+
+@pytest.fixture(autouse=True)
+def _dequantizing_reference(monkeypatch):
+    """The kernels compare against the exact reference: dequantize, then f32 matmuls. The CPU decode
+    path that reads blocks with int8 matmuls (q split in two int8 parts) is tested in test_block_products."""
+    monkeypatch.setattr(block_products, "MAX_ROWS", 0)
 
 
 def _adversarial(B: int, T: int, H: int, D: int) -> torch.Tensor:
@@ -81,7 +88,7 @@ def test_quantize_head_dims(kind, D):
 def test_store_hadamard_matches_the_store(monkeypatch):
     """The store's Triton branch (rotation, sinks, offset, then the kernel's 4-bit write) equals
     its PyTorch path: the switch is forced on for CPU tensors, which the interpreter runs."""
-    import kvcli.cache.hadamard as hadamard
+    import kvcli.cache.ggml_blocks as ggml_blocks
 
     g = torch.Generator().manual_seed(3)
     a = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 16, 64)
@@ -90,7 +97,7 @@ def test_store_hadamard_matches_the_store(monkeypatch):
     xs = [torch.randn(1, T, 2, 64, generator=g) for _, T in steps]
     for (pos, _), x in zip(steps, xs):
         a.store(0, x, pos)
-    monkeypatch.setattr(hadamard, "use_triton", lambda t: True)
+    monkeypatch.setattr(ggml_blocks, "use_triton", lambda t: True)  # the block stores' one write path
     for (pos, _), x in zip(steps, xs):
         b.store(0, x, pos)
     for name in ("data", "sink", "offset"):

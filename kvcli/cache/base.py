@@ -60,9 +60,23 @@ class Store:
         """x (B, T, Hkv, D) f32 -> positions pos..pos+T-1 of this layer."""
         raise NotImplementedError
 
+    def store_pair(self, other: "Store", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
+        """x here and y in `other`, a store of the same type (K and V); types may do both in one pass."""
+        self.store(layer, x, pos)
+        other.store(layer, y, pos)
+
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Positions start..end-1 of this layer as f32 (B, Hkv, end - start, D)."""
         raise NotImplementedError
+
+    def scores(self, layer: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """q (B, Hkv, R, D), in this store's space, against the keys at start..end-1 -> (B, Hkv, R, end - start).
+        Block formats override this (and weighted_sum) to read their bytes without dequantizing."""
+        return q @ self.load(layer, start, end).transpose(-1, -2)
+
+    def weighted_sum(self, layer: int, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """p (B, Hkv, R, end - start) over the values at start..end-1 -> (B, Hkv, R, D)."""
+        return p @ self.load(layer, start, end)
 
 
 def resolve_type(name: str) -> type[Store]:
@@ -87,8 +101,11 @@ class KVCache:
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
         if pos + k.shape[1] > self.n_ctx:
             raise KvcliError(f"context full: {pos + k.shape[1]} tokens do not fit in a {self.n_ctx}-token cache")
-        self.k.store(layer, k, pos)
-        self.v.store(layer, v, pos)
+        if type(self.k) is type(self.v):
+            self.k.store_pair(self.v, layer, k, v, pos)
+        else:
+            self.k.store(layer, k, pos)
+            self.v.store(layer, v, pos)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                   pos: int) -> torch.Tensor:

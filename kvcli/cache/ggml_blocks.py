@@ -9,10 +9,13 @@ All fp16 fields are little-endian, as are the tensors' bytes on the hosts torch 
 
 from __future__ import annotations
 
+from typing import ClassVar
+
 import torch
 import torch.nn.functional as F
 
 from kernels import use_triton
+from kvcli.cache import block_products
 from kvcli.cache.base import Store
 
 # The one table of sizes: name -> (elements per block, bytes per block, scales included).
@@ -96,27 +99,79 @@ def _round_to_int8(v: torch.Tensor) -> torch.Tensor:
 
 
 class GgmlBlockStore(Store):
-    """A ggml block format; subclasses give quantize_blocks and dequantize_blocks."""
+    """A ggml block format; subclasses give quantize_blocks and dequantize_blocks, and where a
+    format's element is d * code, the code planes that decode attention reads directly
+    (kvcli/cache/block_products.py)."""
+
+    codes_nibbles: ClassVar[bool | None] = None  # d * code formats: nibble codes (q4_0) or int8 (q8_0)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.row_bytes = self.head_dim // self.block_size * self.block_bytes
         self.data = torch.zeros(self.n_layers, self.batch, self.n_heads, self.n_ctx, self.row_bytes,
                                 dtype=torch.uint8, device=self.device)
+        if self.codes_nibbles is not None:
+            self.codes = block_products.BlockCodes(self.head_dim, self.block_bytes, self.codes_nibbles).to(self.device)
+
+    def direct(self, x: torch.Tensor) -> bool:
+        """Read the bytes without dequantizing? For a few query rows (decode), on the CPU."""
+        return self.codes_nibbles is not None and x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
+
+    def rows(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Positions start..end-1 as (B * Hkv, t, row_bytes) uint8, a view."""
+        return self.data[layer, :, :, start:end].flatten(0, 1)
+
+    def scores(self, layer, q, start, end):
+        if not self.direct(q):
+            return super().scores(layer, q, start, end)
+        B, H, R, D = q.shape
+        return block_products.scores(q.reshape(B * H, R, D), self.rows(layer, start, end),
+                                     self.codes).view(B, H, R, end - start)
+
+    def weighted_sum(self, layer, p, start, end):
+        if not self.direct(p):
+            return super().weighted_sum(layer, p, start, end)
+        B, H, R, t = p.shape
+        return block_products.weighted_sum(p.reshape(B * H, R, t), self.rows(layer, start, end),
+                                           self.codes).view(B, H, R, self.head_dim)
 
     def nbytes(self) -> int:
         return self.data.numel()
 
+    def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """x (B, T, Hkv, D) -> the f32 values to quantize (q4_hadamard rotates and offsets here)."""
+        return x.float()
+
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        self.write(layer, self.prepare(layer, x, pos), pos)
+
+    def store_pair(self, other: "GgmlBlockStore", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
+        """K here, V in `other` (same type), quantized in one pass: the quantizer's few dozen small ops
+        run once per token instead of twice."""
+        x, y = self.prepare(layer, x, pos), other.prepare(layer, y, pos)
+        if use_triton(x):
+            self.write(layer, x, pos)
+            other.write(layer, y, pos)
+            return
+        B, T = x.shape[:2]
+        blocks = self.quantize_rows(torch.cat([x, y]))  # (2B, Hkv, T, row_bytes)
+        self.data[layer, :, :, pos : pos + T] = blocks[:B]
+        other.data[layer, :, :, pos : pos + T] = blocks[B:]
+
+    def quantize_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, Hkv, D) f32 -> (B, Hkv, T, row_bytes): quantized before the transpose, on fewer bytes."""
+        B, T, H, D = x.shape
+        blocks = self.quantize_blocks(x.reshape(B, T, H, D // self.block_size, self.block_size))
+        return blocks.reshape(B, T, H, self.row_bytes).transpose(1, 2)
+
+    def write(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        """Quantize x (B, T, Hkv, D) f32 into positions pos..pos+T-1."""
         if use_triton(x):  # Triton quantize-on-write (kernels/quantize.py), byte-equal to quantize_blocks
             from kernels.quantize import quantize_into
 
             quantize_into(self.name, x, self.data[layer], pos)
             return
-        B, T, H, D = x.shape
-        blocks = self.quantize_blocks(x.float().reshape(B, T, H, D // self.block_size, self.block_size))
-        # (B, T, H, nb, bytes) -> (B, H, T, row_bytes): quantize before the transpose, on fewer bytes
-        self.data[layer, :, :, pos : pos + T] = blocks.reshape(B, T, H, self.row_bytes).transpose(1, 2)
+        self.data[layer, :, :, pos : pos + x.shape[1]] = self.quantize_rows(x)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         rows = self.data[layer, :, :, start:end]  # (B, H, t, row_bytes), a view
@@ -135,6 +190,7 @@ class GgmlBlockStore(Store):
 class Q8_0Store(GgmlBlockStore):
     name = "q8_0"
     block_size, block_bytes = GGML_BLOCKS[name]
+    codes_nibbles = False
 
     @staticmethod
     def quantize_blocks(x):
@@ -150,6 +206,7 @@ class Q8_0Store(GgmlBlockStore):
 class Q4_0Store(GgmlBlockStore):
     name = "q4_0"
     block_size, block_bytes = GGML_BLOCKS[name]
+    codes_nibbles = True
 
     @staticmethod
     def quantize_blocks(x):

@@ -21,9 +21,8 @@ import math
 
 import torch
 
-from kernels import use_triton
-from kvcli.cache.base import Store
-from kvcli.cache.ggml_blocks import GGML_BLOCKS, Q4_0Store, _f16_bytes, _pack_nibbles
+from kvcli.cache import block_products
+from kvcli.cache.ggml_blocks import Q4_0Store, _f16_bytes, _pack_nibbles
 from kvcli.errors import KvcliError
 
 N_SINK = 4
@@ -60,16 +59,16 @@ def quantize_q4_mse(x: torch.Tensor) -> torch.Tensor:
     return torch.cat([_f16_bytes(d), _pack_nibbles((q + 8).to(torch.uint8))], dim=-1)
 
 
-class HadamardQ4Store(Store):
+class HadamardQ4Store(Q4_0Store):
+    """q4_0's block layout (so its dequantizer and decode path) holding rotated, offset vectors."""
+
     name = "q4_hadamard"
-    block_size, block_bytes = GGML_BLOCKS["q4_0"]
+    quantize_blocks = staticmethod(quantize_q4_mse)
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)
+        super().__init__(*args, **kwargs)  # self.data: (L, B, H, n_ctx, row_bytes) q4_0 blocks
         L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
         self.rot = rotation(D).to(self.device)  # r = x @ rot.T
-        self.row_bytes = D // 32 * self.block_bytes
-        self.data = torch.zeros(L, B, H, n, self.row_bytes, dtype=torch.uint8, device=self.device)
         self.sink = torch.zeros(L, B, H, min(N_SINK, n), D, dtype=torch.float16, device=self.device)
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
         self.offset_set = [False] * L
@@ -88,8 +87,10 @@ class HadamardQ4Store(Store):
     def from_storage(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.rot
 
-    def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        B, T, H, D = x.shape
+    def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """Rotate x (B, T, H, D), keep the sinks, set the offset on a sequence's first batch past
+        them -> y = r - c, the values the 4-bit blocks hold."""
+        T = x.shape[1]
         r = self.to_storage(x.float())  # (B, T, H, D)
         if pos == 0:
             self.offset_set[layer] = False  # a new sequence
@@ -100,22 +101,39 @@ class HadamardQ4Store(Store):
         if not self.offset_set[layer] and first < T:
             self.offset[layer] = r[:, first:].mean(dim=1, keepdim=True)
             self.offset_set[layer] = True
-        y = r - self.offset[layer]
-        if use_triton(y):  # the 4-bit write in Triton (kernels/quantize.py), byte-equal to quantize_q4_mse
-            from kernels.quantize import quantize_into
+        return r - self.offset[layer]
 
-            quantize_into(self.name, y, self.data[layer], pos)
-            return
-        blocks = quantize_q4_mse(y.reshape(B, T, H, D // 32, 32))
-        self.data[layer, :, :, pos : pos + T] = blocks.reshape(B, T, H, self.row_bytes).transpose(1, 2)
+    def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0."""
+        return self.sink[layer, :, :, start : max(start, min(end, N_SINK))].float()
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Rotated-space vectors (B, H, end - start, D) f32."""
-        rows = self.data[layer, :, :, start:end]
-        blocks = rows.view(*rows.shape[:-1], self.head_dim // 32, self.block_bytes)
-        y = Q4_0Store.dequantize_blocks(blocks).reshape(*rows.shape[:-1], self.head_dim)
+        y = super().load(layer, start, end)
         y.add_(self.offset[layer].transpose(1, 2))  # (B, H, 1, D), in place: y is a fresh buffer
-        if start < N_SINK:
-            n = min(end, N_SINK) - start
-            y[:, :, :n] = self.sink[layer, :, :, start : start + n].float()
+        sinks = self._sinks(layer, start, end)
+        y[:, :, : sinks.shape[2]] = sinks
         return y
+
+    # Decode reads the 4-bit bytes directly (block_products); the offset and sinks are added here.
+    def scores(self, layer, q, start, end):
+        if not self.direct(q):
+            return super().scores(layer, q, start, end)
+        s = super().scores(layer, q, start, end)  # q . y_t
+        s += q @ self.offset[layer].permute(0, 2, 3, 1)  # + q . c: (B, H, R, D) @ (B, H, D, 1)
+        sinks = self._sinks(layer, start, end)
+        s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
+        return s
+
+    def weighted_sum(self, layer, p, start, end):
+        if not self.direct(p):
+            return super().weighted_sum(layer, p, start, end)
+        B, H, R, t = p.shape
+        sinks = self._sinks(layer, start, end)
+        m = sinks.shape[2]
+        out = block_products.weighted_sum(p.reshape(B * H, R, t), self.rows(layer, start, end), self.codes,
+                                          skip=m).view(B, H, R, self.head_dim)
+        out.addcmul_(p[..., m:].sum(-1, keepdim=True), self.offset[layer].transpose(1, 2))  # + c, past the sinks
+        if m:
+            out += p[..., :m] @ sinks
+        return out

@@ -20,7 +20,7 @@ from __future__ import annotations
 import torch
 
 from kernels import use_triton
-from kvcli.cache.base import KVCache, resolve_type
+from kvcli.cache.base import KVCache, Store, resolve_type
 from kvcli.errors import KvcliError
 
 HADAMARD_MAX = 256
@@ -55,6 +55,8 @@ class _Rebuilt:
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         return self.cache.rebuild(layer, start, end)[self.which]
+
+    scores, weighted_sum = Store.scores, Store.weighted_sum  # products over `load`, as any store
 
 
 class HiddenCache:

@@ -1,0 +1,115 @@
+"""Decode attention read straight from packed blocks: no dequantized copy of the cache, even per chunk.
+
+For q8_0, q4_0 and q4_hadamard, element e of a stored head vector is  v[e] = d[b] (u[e] - bias),
+b = e // 32, with u the raw code (q8_0: the int8, bias 0; the 4-bit types: the nibble, bias 8).
+So for a query row q and a probability row p over positions t
+    q . v_t          = sum_b d[t, b] (q_b . u_t,b  -  bias sum(q_b))            (scores)
+    sum_t p_t v_t[e] = sum_t (p_t d[t, b]) u_t[e]  -  bias sum_t p_t d[t, b]     (weighted sum)
+and the codes are used nearly as they lie: a row read as int8 (q8_0), or its bytes widened to
+(low nibble, high nibble) pairs (q4). The header columns (the fp16 scales) hold garbage that
+gets zero weight or is never picked.
+  * Scores run as int8 x int8 -> int32 matmuls (torch._int_mm: VNNI/AMX on x86 CPUs), each
+    32-element block of q split into two int8 parts, q ~ s0 i0 + s1 i1, good to 1/64516 of
+    the block's largest |q| (finer than rounding q to f16; llama.cpp rounds q to one int8
+    part here, which is most of its q8_0 cache's KL divergence).
+  * Weighted sums run in f32 (the probabilities are too uneven for int8), on the bytes and their
+    high nibbles as floats (low = byte - 16 high), stacked back into the plane's column order.
+Used for decode (few query rows); with many rows, dequantizing a chunk once costs less. On
+SmolLM2, whose few massive activation dimensions make the split hardest, decode logits differ
+from the dequantizing path by KL 1.5e-5 (q8_0), 2.6e-4 (q4_0), 4e-6 (q4_hadamard): one to three
+orders of magnitude below each type's own loss against f16 (tests/test_block_products.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+MAX_ROWS = 16  # query rows per (sequence, KV head) up to which this path is taken
+
+
+def split_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x (..., n) f32 -> i (..., 2, n) int8 and s (..., 2) f32 with x ~ s[0] i[0] + s[1] i[1]."""
+    s = x.abs().amax(-1, keepdim=True).clamp_min_(1e-30).div_(127)  # (..., 1)
+    y = x / s  # in [-127, 127]
+    hi = y.round()
+    lo = (y - hi).mul_(254).round_()  # the remainder, in [-0.5, 0.5], at 254 times finer steps
+    return torch.stack([hi, lo], -2).to(torch.int8), torch.cat([s, s / 254], -1)
+
+
+class BlockCodes:
+    """Where a block format keeps its codes, for one head size: `nibbles` (q4_0 layout: fp16 d, then
+    byte j holds element j low and j + 16 high) or not (q8_0 layout: fp16 d, then 32 int8).
+
+    Its rows are read as one int8 "plane": q8_0 rows as they are; q4 rows as (byte & 15, byte >> 4)
+    pairs, twice as wide. Plane column c holds the code of element elem[c], or header garbage."""
+
+    def __init__(self, head_dim: int, block_bytes: int, nibbles: bool):
+        nb = head_dim // 32
+        self.nibbles, self.n_blocks, self.block_bytes = nibbles, nb, block_bytes
+        self.bias = 8 if nibbles else 0
+        self.width = width = nb * block_bytes * (2 if nibbles else 1)
+        elem = torch.full((width,), -1, dtype=torch.long)
+        for b in range(nb):
+            for j in range(block_bytes - 2):
+                c = b * block_bytes + 2 + j
+                if nibbles:
+                    elem[2 * c], elem[2 * c + 1] = 32 * b + j, 32 * b + 16 + j
+                else:
+                    elem[c] = 32 * b + j
+        code = elem >= 0
+        self.within = torch.where(code, elem % 32, 0)  # (width,): column -> its element within the block
+        self.in_block = (code & (elem // 32 == torch.arange(nb)[:, None])).to(torch.int8)  # (nb, width)
+        at = torch.empty(head_dim, dtype=torch.long)
+        at[elem[code]] = torch.arange(width)[code]
+        self.pick = at + torch.arange(head_dim) // 32 * width  # (D,): element -> (block row, column), flat
+
+    def to(self, device) -> "BlockCodes":
+        for name in ("within", "in_block", "pick"):
+            setattr(self, name, getattr(self, name).to(device))
+        return self
+
+    def plane(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n, t, rb) uint8 -> the raw codes u (n, t, width) int8."""
+        if not self.nibbles:
+            return rows.view(torch.int8)
+        b = rows.to(torch.int16)  # per byte, low + 256 high = byte + 240 high: the pair, little-endian
+        return torch.add(b, b >> 4, alpha=240).view(torch.int8)
+
+    def scales(self, rows: torch.Tensor) -> torch.Tensor:
+        """(n, t, rb) uint8 -> (n, nb, t) fp16, a view: the d at byte 0 of each block."""
+        return rows.view(torch.float16)[..., :: self.block_bytes // 2].transpose(1, 2)
+
+
+def scores(q: torch.Tensor, rows: torch.Tensor, codes: BlockCodes) -> torch.Tensor:
+    """q (n, R, D) f32 against rows (n, t, rb) uint8 -> (n, R, t) f32."""
+    n, R, D = q.shape
+    nb, t = codes.n_blocks, rows.shape[1]
+    i, s = split_int8(q.view(n, R, nb, 32))  # (n, R, nb, 2, 32), (n, R, nb, 2)
+    # weights (n, M, width), M = R * nb * 2 rows (r, b, part): block b's part at b's code columns
+    w = (i[..., codes.within] * codes.in_block.view(nb, 1, -1)).view(n, -1, codes.width)
+    acc = torch.empty(n, w.shape[1], t, dtype=torch.int32, device=q.device)
+    for w_j, u_j, acc_j in zip(w, codes.plane(rows).transpose(1, 2), acc):  # (M, width) @ (width, t)
+        torch._int_mm(w_j, u_j, out=acc_j)  # a transposed plane is the layout _int_mm is fastest with
+    if codes.bias:  # u - bias: subtract bias * (the part's sum over its block), exact in int32
+        acc = torch.sub(acc, i.sum(-1, dtype=torch.int32).view(n, -1, 1), alpha=codes.bias)
+    sd = s[..., None] * codes.scales(rows)[:, None, :, None]  # (n, R, nb, 2, t): s_part d[t, b]
+    return (acc.view(n, R, -1, t) * sd.view(n, R, -1, t)).sum(2)
+
+
+def weighted_sum(p: torch.Tensor, rows: torch.Tensor, codes: BlockCodes, skip: int = 0) -> torch.Tensor:
+    """p (n, R, t) f32 over rows (n, t, rb) uint8 -> (n, R, D) f32. The first `skip` positions get
+    no weight (q4_hadamard adds its full-precision sinks itself)."""
+    n, R, t = p.shape
+    w = p[:, :, None] * codes.scales(rows)[:, None]  # (n, R, nb, t): p_t d[t, b]
+    if skip:
+        w[..., :skip] = 0
+    w = w.reshape(n, -1, t)
+    if codes.nibbles:  # f32 planes of the bytes and their high nibbles: low = byte - 16 high
+        u_hi = torch.bmm(w, (rows >> 4).float())  # (n, R * nb, rb)
+        u = torch.stack([torch.baddbmm(u_hi, w, rows.float(), beta=-16), u_hi], -1)  # (low, high) pairs
+    else:
+        u = torch.bmm(w, rows.view(torch.int8).float())
+    out = u.view(n, R, -1)[..., codes.pick]  # (n, R, D): element e from its block's row, as in the plane
+    if codes.bias:
+        out.view(n, R, -1, 32).sub_(w.view(n, R, -1, t).sum(-1, keepdim=True), alpha=codes.bias)
+    return out
