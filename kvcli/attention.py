@@ -7,7 +7,7 @@ no step holds the whole cache in f32: with flash attention on, an online softmax
 small: one row per query) and V is still read chunk by chunk. A store may keep vectors in
 a rotated space: the query goes into the K store's space and the output comes back out of
 the V store's. The products q.K and p.V of a chunk are the stores' own (Store.scores,
-Store.weighted_sum): q8_0 and the q4 types compute them for decode straight from their bytes
+Store.weighted_sum): q4_0 and q4_hadamard compute them for decode straight from their bytes
 (kvcli/cache/block_products.py). Triton kernels (CUDA) plug in here with the same signature.
 """
 

@@ -1,4 +1,4 @@
-"""The CPU decode path that reads q8_0 / q4_0 / q4_hadamard blocks without dequantizing
+"""The CPU decode path that reads q4_0 / q4_hadamard blocks without dequantizing
 (kvcli/cache/block_products.py) against the dequantize-then-matmul reference."""
 
 import pytest
@@ -9,7 +9,7 @@ from kvcli.attention import attend_reference
 from kvcli.cache import KVCache, block_products
 from kvcli.cache.base import STORAGE_TYPES
 
-DIRECT_TYPES = ["q8_0", "q4_0", "q4_hadamard"]
+DIRECT_TYPES = ["q4_0", "q4_hadamard"]
 
 
 def _cache(kind_k, kind_v, B, Hkv, D, n, seed=0, scale=1.0):
@@ -62,7 +62,7 @@ def test_products_equal_the_dequantized_ones(kind, D, monkeypatch):
 @pytest.mark.parametrize("kind", DIRECT_TYPES)
 def test_one_hot_weights_read_back_each_vector(kind):
     """A weighted sum with all weight on one position is that position's stored vector: every
-    element is read from the right nibble or byte, the header columns never leak in."""
+    element is read from the right nibble, the header columns never leak in."""
     B, Hkv, D, n = 1, 2, 64, 12
     cache = _cache(kind, kind, B, Hkv, D, n, seed=3, scale=50.0)
     p = torch.eye(n).expand(B, Hkv, n, n).contiguous()[:, :, :10]  # R = 10 rows, one per position
@@ -95,7 +95,8 @@ def test_path_choice():
     store = STORAGE_TYPES["q4_0"](1, 1, 2, 8, 32)
     assert store.direct(torch.zeros(1, 2, block_products.MAX_ROWS, 32))
     assert not store.direct(torch.zeros(1, 2, block_products.MAX_ROWS + 1, 32))
-    assert not STORAGE_TYPES["q5_0"](1, 1, 2, 8, 32).direct(torch.zeros(1, 2, 1, 32))  # no direct path
+    for kind in ("q8_0", "q5_0"):  # q8_0: dequantizing is one cast, and measured faster
+        assert not STORAGE_TYPES[kind](1, 1, 2, 8, 32).direct(torch.zeros(1, 2, 1, 32))
 
 
 @pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q4_1", "iq4_nl", "q4_hadamard"])
@@ -117,12 +118,12 @@ def test_store_pair_writes_what_two_stores_write(kind):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("kind,max_kld", [("q8_0", 1e-4), ("q4_0", 2e-3), ("q4_hadamard", 1e-4)])
+@pytest.mark.parametrize("kind,max_kld", [("q4_0", 2e-3), ("q4_hadamard", 1e-4)])
 def test_real_model_decode_matches_the_exact_path(default_model, monkeypatch, kind, max_kld):
     """SmolLM2 (massive activations in a few dimensions: the hard case for the two-part query split):
     decode logits through the byte-reading path against dequantize-then-matmul, same cache bytes.
-    Measured: KL 1.5e-5 (q8_0), 2.6e-4 (q4_0), 4e-6 (q4_hadamard), against these types' own
-    0.0005 / 0.144 / 0.016 against f16."""
+    Measured: KL 2.6e-4 (q4_0), 4e-6 (q4_hadamard), against these types' own 0.144 / 0.016
+    against f16."""
     from kvcli.llama import Llama
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(300)]

@@ -1,23 +1,23 @@
-"""Decode attention read straight from packed blocks: no dequantized copy of the cache, even per chunk.
+"""Decode attention read straight from 4-bit blocks: no dequantized copy of the cache, even per chunk.
 
-For q8_0, q4_0 and q4_hadamard, element e of a stored head vector is  v[e] = d[b] (u[e] - bias),
-b = e // 32, with u the raw code (q8_0: the int8, bias 0; the 4-bit types: the nibble, bias 8).
+For q4_0 and q4_hadamard, element e of a stored head vector is  v[e] = d[b] (u[e] - 8), b = e // 32,
+with u the nibble (byte j of a block: element j low, j + 16 high).
 So for a query row q and a probability row p over positions t
     q . v_t          = sum_b d[t, b] (q_b . u_t,b  -  bias sum(q_b))            (scores)
     sum_t p_t v_t[e] = sum_t (p_t d[t, b]) u_t[e]  -  bias sum_t p_t d[t, b]     (weighted sum)
-and the codes are used nearly as they lie: a row read as int8 (q8_0), or its bytes widened to
-(low nibble, high nibble) pairs (q4). The header columns (the fp16 scales) hold garbage that
-gets zero weight or is never picked.
+and the codes are used nearly as they lie: the row bytes widened to (low nibble, high nibble)
+pairs. The header columns (the fp16 scales) hold garbage that gets zero weight or is never picked.
   * Scores run as int8 x int8 -> int32 matmuls (torch._int_mm: VNNI/AMX on x86 CPUs), each
     32-element block of q split into two int8 parts, q ~ s0 i0 + s1 i1, good to 1/64516 of
-    the block's largest |q| (finer than rounding q to f16; llama.cpp rounds q to one int8
-    part here, which is most of its q8_0 cache's KL divergence).
+    the block's largest |q| (finer than rounding q to f16; llama.cpp rounds q to one int8 part).
   * Weighted sums run in f32 (the probabilities are too uneven for int8), on the bytes and their
     high nibbles as floats (low = byte - 16 high), stacked back into the plane's column order.
-Used for decode (few query rows); with many rows, dequantizing a chunk once costs less. On
-SmolLM2, whose few massive activation dimensions make the split hardest, decode logits differ
-from the dequantizing path by KL 1.5e-5 (q8_0), 2.6e-4 (q4_0), 4e-6 (q4_hadamard): one to three
-orders of magnitude below each type's own loss against f16 (tests/test_block_products.py).
+Used for decode (few query rows); with many rows, dequantizing a chunk once costs less. Measured
+on SmolLM2 at depth 4096 (benchmarks/cache_decode.py, median of interleaved runs): decode +7%
+for q4_hadamard and q4_0 over dequantize-then-matmul; for q8_0 (dequantizing is one cast) it was
+4% slower, so q8_0 keeps the dequantizing path. SmolLM2's few massive activation dimensions make
+the query split hardest; its decode logits differ from the dequantizing path by KL 2.6e-4 (q4_0)
+and 4e-6 (q4_hadamard), two to three orders below these types' own loss against f16.
 """
 
 from __future__ import annotations
@@ -37,25 +37,21 @@ def split_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 
 
 class BlockCodes:
-    """Where a block format keeps its codes, for one head size: `nibbles` (q4_0 layout: fp16 d, then
-    byte j holds element j low and j + 16 high) or not (q8_0 layout: fp16 d, then 32 int8).
+    """Where the q4_0 block layout (fp16 d, then byte j: element j low, j + 16 high) keeps its codes,
+    for one head size. Its rows are read as one int8 "plane" of (byte & 15, byte >> 4) pairs, twice
+    as wide as the row: plane column c holds the code of element elem[c], or header garbage."""
 
-    Its rows are read as one int8 "plane": q8_0 rows as they are; q4 rows as (byte & 15, byte >> 4)
-    pairs, twice as wide. Plane column c holds the code of element elem[c], or header garbage."""
+    bias = 8
 
-    def __init__(self, head_dim: int, block_bytes: int, nibbles: bool):
+    def __init__(self, head_dim: int, block_bytes: int = 18):
         nb = head_dim // 32
-        self.nibbles, self.n_blocks, self.block_bytes = nibbles, nb, block_bytes
-        self.bias = 8 if nibbles else 0
-        self.width = width = nb * block_bytes * (2 if nibbles else 1)
+        self.n_blocks, self.block_bytes = nb, block_bytes
+        self.width = width = 2 * nb * block_bytes
         elem = torch.full((width,), -1, dtype=torch.long)
         for b in range(nb):
             for j in range(block_bytes - 2):
                 c = b * block_bytes + 2 + j
-                if nibbles:
-                    elem[2 * c], elem[2 * c + 1] = 32 * b + j, 32 * b + 16 + j
-                else:
-                    elem[c] = 32 * b + j
+                elem[2 * c], elem[2 * c + 1] = 32 * b + j, 32 * b + 16 + j
         code = elem >= 0
         self.within = torch.where(code, elem % 32, 0)  # (width,): column -> its element within the block
         self.in_block = (code & (elem // 32 == torch.arange(nb)[:, None])).to(torch.int8)  # (nb, width)
@@ -69,9 +65,7 @@ class BlockCodes:
         return self
 
     def plane(self, rows: torch.Tensor) -> torch.Tensor:
-        """(n, t, rb) uint8 -> the raw codes u (n, t, width) int8."""
-        if not self.nibbles:
-            return rows.view(torch.int8)
+        """(n, t, rb) uint8 -> the nibbles u (n, t, width) int8."""
         b = rows.to(torch.int16)  # per byte, low + 256 high = byte + 240 high: the pair, little-endian
         return torch.add(b, b >> 4, alpha=240).view(torch.int8)
 
@@ -90,8 +84,8 @@ def scores(q: torch.Tensor, rows: torch.Tensor, codes: BlockCodes) -> torch.Tens
     acc = torch.empty(n, w.shape[1], t, dtype=torch.int32, device=q.device)
     for w_j, u_j, acc_j in zip(w, codes.plane(rows).transpose(1, 2), acc):  # (M, width) @ (width, t)
         torch._int_mm(w_j, u_j, out=acc_j)  # a transposed plane is the layout _int_mm is fastest with
-    if codes.bias:  # u - bias: subtract bias * (the part's sum over its block), exact in int32
-        acc = torch.sub(acc, i.sum(-1, dtype=torch.int32).view(n, -1, 1), alpha=codes.bias)
+    # u - 8: subtract 8 * (the part's sum over its block), exact in int32
+    acc = torch.sub(acc, i.sum(-1, dtype=torch.int32).view(n, -1, 1), alpha=codes.bias)
     sd = s[..., None] * codes.scales(rows)[:, None, :, None]  # (n, R, nb, 2, t): s_part d[t, b]
     return (acc.view(n, R, -1, t) * sd.view(n, R, -1, t)).sum(2)
 
@@ -104,12 +98,8 @@ def weighted_sum(p: torch.Tensor, rows: torch.Tensor, codes: BlockCodes, skip: i
     if skip:
         w[..., :skip] = 0
     w = w.reshape(n, -1, t)
-    if codes.nibbles:  # f32 planes of the bytes and their high nibbles: low = byte - 16 high
-        u_hi = torch.bmm(w, (rows >> 4).float())  # (n, R * nb, rb)
-        u = torch.stack([torch.baddbmm(u_hi, w, rows.float(), beta=-16), u_hi], -1)  # (low, high) pairs
-    else:
-        u = torch.bmm(w, rows.view(torch.int8).float())
+    # f32 copies of the bytes and their high nibbles: low = byte - 16 high
+    u_hi = torch.bmm(w, (rows >> 4).float())  # (n, R * nb, rb)
+    u = torch.stack([torch.baddbmm(u_hi, w, rows.float(), beta=-16), u_hi], -1)  # (low, high) pairs
     out = u.view(n, R, -1)[..., codes.pick]  # (n, R, D): element e from its block's row, as in the plane
-    if codes.bias:
-        out.view(n, R, -1, 32).sub_(w.view(n, R, -1, t).sum(-1, keepdim=True), alpha=codes.bias)
-    return out
+    return out.view(n, R, -1, 32).sub_(w.view(n, R, -1, t).sum(-1, keepdim=True), alpha=codes.bias).view(n, R, -1)

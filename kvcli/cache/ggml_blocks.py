@@ -99,23 +99,22 @@ def _round_to_int8(v: torch.Tensor) -> torch.Tensor:
 
 
 class GgmlBlockStore(Store):
-    """A ggml block format; subclasses give quantize_blocks and dequantize_blocks, and where a
-    format's element is d * code, the code planes that decode attention reads directly
-    (kvcli/cache/block_products.py)."""
+    """A ggml block format; subclasses give quantize_blocks and dequantize_blocks. The q4_0 layout
+    also has a decode path that reads its bytes directly (kvcli/cache/block_products.py)."""
 
-    codes_nibbles: ClassVar[bool | None] = None  # d * code formats: nibble codes (q4_0) or int8 (q8_0)
+    reads_nibbles: ClassVar[bool] = False  # q4_0 layout: decode scores and sums from the bytes
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.row_bytes = self.head_dim // self.block_size * self.block_bytes
         self.data = torch.zeros(self.n_layers, self.batch, self.n_heads, self.n_ctx, self.row_bytes,
                                 dtype=torch.uint8, device=self.device)
-        if self.codes_nibbles is not None:
-            self.codes = block_products.BlockCodes(self.head_dim, self.block_bytes, self.codes_nibbles).to(self.device)
+        if self.reads_nibbles:
+            self.codes = block_products.BlockCodes(self.head_dim, self.block_bytes).to(self.device)
 
     def direct(self, x: torch.Tensor) -> bool:
         """Read the bytes without dequantizing? For a few query rows (decode), on the CPU."""
-        return self.codes_nibbles is not None and x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
+        return self.reads_nibbles and x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
 
     def rows(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Positions start..end-1 as (B * Hkv, t, row_bytes) uint8, a view."""
@@ -190,7 +189,6 @@ class GgmlBlockStore(Store):
 class Q8_0Store(GgmlBlockStore):
     name = "q8_0"
     block_size, block_bytes = GGML_BLOCKS[name]
-    codes_nibbles = False
 
     @staticmethod
     def quantize_blocks(x):
@@ -206,7 +204,7 @@ class Q8_0Store(GgmlBlockStore):
 class Q4_0Store(GgmlBlockStore):
     name = "q4_0"
     block_size, block_bytes = GGML_BLOCKS[name]
-    codes_nibbles = True
+    reads_nibbles = True
 
     @staticmethod
     def quantize_blocks(x):
