@@ -269,12 +269,8 @@ def quantize_reference(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) 
     if kind in ("f32", "f16", "bf16"):
         dst[:, :, pos : pos + T] = x.transpose(1, 2).to(dst.dtype)
         return
-    if kind == "q4_hadamard":
-        from kvcli.cache.hadamard import quantize_q4_mse as quantize
-    else:
-        store_cls = STORAGE_TYPES[kind]
-        assert issubclass(store_cls, GgmlBlockStore)
-        quantize = store_cls.quantize_blocks
-    blocks = quantize(x.reshape(B, T, H, D // 32, 32))
+    store_cls = STORAGE_TYPES[kind]  # q4_hadamard too: a q4_0-layout store with its MSE quantizer
+    assert issubclass(store_cls, GgmlBlockStore)
+    blocks = store_cls.quantize_blocks(x.reshape(B, T, H, D // 32, 32))
     dst[:, :, pos : pos + T] = blocks.reshape(B, T, H, -1).transpose(1, 2)
 

@@ -92,6 +92,21 @@ def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
     return x.gather(-1, x.abs().argmax(dim=-1, keepdim=True))
 
 
+def _symmetric_codes(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_0 / q5_0 (quantize_row_q{4,5}_0_ref), levels 16 / 32: d = signed absmax / -(levels / 2),
+    q = min(levels - 1, (int8)(x / d + levels / 2 + 0.5)). -> d (..., 1) f32, q (..., 32) uint8."""
+    d = _signed_absmax(x) / -(levels // 2)
+    return d, (x * _inverse(d) + (levels // 2 + 0.5)).clamp_(0, levels - 1).to(torch.uint8)
+
+
+def _min_max_codes(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """q4_1 / q5_1 (quantize_row_q{4,5}_1_ref), levels 16 / 32: d = (max - min) / (levels - 1),
+    q = (x - min) / d + 0.5, clipped as gguf-py. -> d, min (..., 1) f32, q (..., 32) uint8."""
+    lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
+    d = (hi - lo) / (levels - 1)
+    return d, lo, ((x - lo) * _inverse(d) + 0.5).clamp_(0, levels - 1).to(torch.uint8)
+
+
 def _round_to_int8(v: torch.Tensor) -> torch.Tensor:
     """(int8_t)roundf(v) for |v| < 127.5, halves away from zero: trunc(v) plus trunc of twice the fraction."""
     t = v.to(torch.int8)  # casts truncate, like C (and beat torch.trunc on CPU)
@@ -208,8 +223,7 @@ class Q4_0Store(GgmlBlockStore):
 
     @staticmethod
     def quantize_blocks(x):
-        d = _signed_absmax(x) / -8  # quantize_row_q4_0_ref: q = min(15, (int8)(x / d + 8.5))
-        q = (x * _inverse(d) + 8.5).clamp_(0, 15).to(torch.uint8)
+        d, q = _symmetric_codes(x, 16)
         return torch.cat([_f16_bytes(d), _pack_nibbles(q)], dim=-1)
 
     @staticmethod
@@ -223,9 +237,7 @@ class Q4_1Store(GgmlBlockStore):
 
     @staticmethod
     def quantize_blocks(x):
-        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-        d = (hi - lo) / 15  # quantize_row_q4_1_ref: q = min(15, (int8)((x - m) / d + 0.5))
-        q = ((x - lo) * _inverse(d) + 0.5).clamp_(0, 15).to(torch.uint8)
+        d, lo, q = _min_max_codes(x, 16)
         return torch.cat([_f16_bytes(d), _f16_bytes(lo), _pack_nibbles(q)], dim=-1)
 
     @staticmethod
@@ -239,8 +251,7 @@ class Q5_0Store(GgmlBlockStore):
 
     @staticmethod
     def quantize_blocks(x):
-        d = _signed_absmax(x) / -16  # quantize_row_q5_0_ref: q = min(31, (int8)(x / d + 16.5))
-        q = (x * _inverse(d) + 16.5).clamp_(0, 31).to(torch.uint8)
+        d, q = _symmetric_codes(x, 32)
         return torch.cat([_f16_bytes(d), _pack_high_bits(q), _pack_nibbles(q & 0x0F)], dim=-1)
 
     @staticmethod
@@ -255,9 +266,7 @@ class Q5_1Store(GgmlBlockStore):
 
     @staticmethod
     def quantize_blocks(x):
-        lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-        d = (hi - lo) / 31  # quantize_row_q5_1_ref: q = (uint8)((x - m) / d + 0.5), clipped as gguf-py
-        q = ((x - lo) * _inverse(d) + 0.5).clamp_(0, 31).to(torch.uint8)
+        d, lo, q = _min_max_codes(x, 32)
         return torch.cat([_f16_bytes(d), _f16_bytes(lo), _pack_high_bits(q), _pack_nibbles(q & 0x0F)], dim=-1)
 
     @staticmethod
