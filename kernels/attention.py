@@ -7,7 +7,8 @@ j <= pos + r // G. K and V tiles (BLOCK_N positions x D) are read as stored, pac
 blocks or dense f16/bf16/f32, dequantized in registers, and folded into an online softmax
 (FlashAttention's recurrence, base 2). Decode splits the positions across programs
 (flash-decoding) and a second kernel merges the splits' (max, sum, output); prefill uses one
-split. q4_hadamard: q arrives rotated (`cache.k.to_storage`), positions < N_SINK are read
+split. q4_hadamard: q arrives rotated (`cache.k.to_storage`), the codes are read from the
+store's tiles (keys and values laid out differently) with its bf16 scales, positions < N_SINK
 from the f16 sink tensor, the per-head offset is added after dequantization, and the output
 is rotated back by `cache.v.from_storage`.
 
@@ -30,9 +31,11 @@ N_SINK = 4  # kvcli.cache.hadamard.N_SINK; checked at launch
 
 
 @triton.jit
-def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, off_ptr,
+def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, off_ptr, npad,
                KIND: tl.constexpr, D: tl.constexpr, NSINK: tl.constexpr):
     """(BLOCK_N, DP) f32: positions offs_n of one (b, head); rows = their offsets (elements or bytes).
+    q4_hadamard (KIND 9 keys, 10 values): rows = the head's base byte, ptr16 = its bf16 scales
+    (D / 32, npad); the tile layouts are kvcli/cache/hadamard.py's.
 
     One constexpr if/elif chain and a single return: the compiler sees only the taken branch."""
     emask = e < D
@@ -58,7 +61,24 @@ def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, 
             qh = tl.load(ptr + at + 4 + (jw // 8)[None, :], mask=m2, other=0).to(tl.int32)
             q = q | (((qh >> (jw % 8)[None, :]) & 1) << 4)
         x = d * q.to(tl.float32) + mn
-    else:  # q4_0, q5_0, iq4_nl, q4_hadamard: fp16 d, [4 bytes qh], nibbles
+    elif KIND == 9 or KIND == 10:  # q4_hadamard: codes in int4 GEMM tiles, bf16 scales, offset, f16 sinks
+        n = offs_n[:, None]
+        if KIND == 9:  # keys: byte (n // 64, e, n % 32), high nibble for n % 64 >= 32
+            at = rows[:, None] + (n // 64) * (D * 32) + e[None, :] * 32 + n % 32
+            shift = ((n % 64) // 32) * 4
+        else:  # values, tiles of W elements: byte (e // W, n, e % W % (W / 2)), high for e % W >= W / 2
+            W: tl.constexpr = 64 if D >= 64 else D
+            ew = e[None, :] % W
+            at = rows[:, None] + (e[None, :] // W) * (npad * (W // 2)) + n * (W // 2) + ew % (W // 2)
+            shift = (ew // (W // 2)) * 4
+        byte = tl.load(ptr + at, mask=m2, other=0).to(tl.int32)
+        q = (byte >> shift) & 15
+        d = tl.load(ptr16 + blk[None, :] * npad + n, mask=m2, other=0.0).to(tl.float32)
+        x = d * (q.to(tl.float32) - 8.0) + tl.load(off_ptr + e, mask=emask, other=0.0)[None, :]
+        is_sink = offs_n < NSINK
+        sink = tl.load(sink_ptr + n * s_sink_n + e[None, :], mask=m2 & is_sink[:, None], other=0.0)
+        x = tl.where(is_sink[:, None], sink.to(tl.float32), x)
+    else:  # q4_0, q5_0, iq4_nl: fp16 d, [4 bytes qh], nibbles
         BB0: tl.constexpr = 22 if KIND == 6 else 18
         NIB0: tl.constexpr = 6 if KIND == 6 else 2
         at = rows[:, None] + (blk * BB0)[None, :]
@@ -73,19 +93,15 @@ def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, 
             x = d * tl.load(tab_ptr + q)
         else:
             x = d * (q.to(tl.float32) - 8.0)
-            if KIND == 9:  # rotated, offset-subtracted: add the per-head offset; sinks from f16
-                x = x + tl.load(off_ptr + e, mask=emask, other=0.0)[None, :]
-                is_sink = offs_n < NSINK
-                sink = tl.load(sink_ptr + offs_n[:, None] * s_sink_n + e[None, :], mask=m2 & is_sink[:, None],
-                               other=0.0)
-                x = tl.where(is_sink[:, None], sink.to(tl.float32), x)
     return x
 
 
 @triton.jit
 def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
                  k_ptr, k16_ptr, sk_b, sk_h, sk_n, ks_ptr, sks_b, sks_h, sks_n, ko_ptr, sko_b, sko_h,
+                 skd_b, skd_h, k_npad,
                  v_ptr, v16_ptr, sv_b, sv_h, sv_n, vs_ptr, svs_b, svs_h, svs_n, vo_ptr, svo_b, svo_h,
+                 svd_b, svd_h, v_npad,
                  tab_ptr, o_ptr, ml_ptr, Hkv, M, G, pos, n_keys, split_len, S,
                  KK: tl.constexpr, VK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
                  BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSINK: tl.constexpr):
@@ -111,8 +127,9 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
     for n0 in tl.range(start, end, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
-        k = _load_tile(k_ptr, k16_ptr, k_base + offs_n.to(tl.int64) * sk_n, nmask, e, offs_n, tab_ptr,
-                       ks_ptr + b * sks_b + h * sks_h, sks_n, ko_ptr + b * sko_b + h * sko_h, KK, D, NSINK)
+        k = _load_tile(k_ptr, k16_ptr + b * skd_b + h * skd_h, k_base + offs_n.to(tl.int64) * sk_n, nmask, e,
+                       offs_n, tab_ptr, ks_ptr + b * sks_b + h * sks_h, sks_n, ko_ptr + b * sko_b + h * sko_h,
+                       k_npad, KK, D, NSINK)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
         visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -120,8 +137,9 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
         alpha = tl.exp2(m_i - m_new)
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
-        v = _load_tile(v_ptr, v16_ptr, v_base + offs_n.to(tl.int64) * sv_n, nmask, e, offs_n, tab_ptr,
-                       vs_ptr + b * svs_b + h * svs_h, svs_n, vo_ptr + b * svo_b + h * svo_h, VK, D, NSINK)
+        v = _load_tile(v_ptr, v16_ptr + b * svd_b + h * svd_h, v_base + offs_n.to(tl.int64) * sv_n, nmask, e,
+                       offs_n, tab_ptr, vs_ptr + b * svs_b + h * svs_h, svs_n, vo_ptr + b * svo_b + h * svo_h,
+                       v_npad, VK, D, NSINK)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -150,17 +168,23 @@ def _split_reduce_kernel(o_ptr, ml_ptr, out_ptr, M, S, SP: tl.constexpr, DP: tl.
 
 
 def _store_args(store, layer: int):
-    """Pointer and stride arguments of one store's layer: data, fp16 view, sink, offset."""
-    data = store.data[layer]  # (B, H, n_ctx, D or row_bytes)
-    dense = store.name in ("f32", "f16", "bf16")
-    data16 = data if dense else data.view(torch.float16)
+    """Pointer and stride arguments of one store's layer: data, fp16 view (q4_hadamard: bf16 scales),
+    sink, offset, the scales' strides and padded length."""
+    data = store.data[layer]  # (B, H, n_ctx, D or row_bytes); q4_hadamard (B, H, tiles...)
     if store.name == "q4_hadamard":
+        scale = store.scale[layer]  # (B, H, D / 32, n_pad) bf16
         sink = store.sink[layer]  # (B, H, n_sink, D) f16
         off = store.offset[layer]  # (B, 1, H, D) f32
-        extra = (sink, sink.stride(0), sink.stride(1), sink.stride(2), off, off.stride(0), off.stride(2))
-    else:
-        extra = (data, 0, 0, 0, data, 0, 0)  # unused
-    return (data, data16, data.stride(0), data.stride(1), data.stride(2)) + extra
+        return (data, scale, data.stride(0), data.stride(1), 0, sink, sink.stride(0), sink.stride(1), sink.stride(2),
+                off, off.stride(0), off.stride(2), scale.stride(0), scale.stride(1), store.n_pad)
+    data16 = data if store.name in ("f32", "f16", "bf16") else data.view(torch.float16)
+    unused = (data, 0, 0, 0, data, 0, 0, 0, 0, 0)
+    return (data, data16, data.stride(0), data.stride(1), data.stride(2)) + unused
+
+
+def _kind(store) -> int:
+    """The constexpr KIND of a store; q4_hadamard keys and values have different tiles (9, 10)."""
+    return KINDS[store.name] + (store.name == "q4_hadamard" and not store.keys)
 
 
 def supported(cache, q: torch.Tensor) -> bool:
@@ -211,7 +235,7 @@ def attend_kernel(q: torch.Tensor, cache, layer: int, pos: int, num_splits: int 
     _attn_kernel[grid](qg, qg.stride(0), qg.stride(1), qg.stride(2),
                        *_store_args(cache.k, layer), *_store_args(cache.v, layer),
                        tab, o, ml, Hkv, M, G, pos, n_keys, split_len, S,
-                       KK=KINDS[cache.k.name], VK=KINDS[cache.v.name], D=D, DP=DP,
+                       KK=_kind(cache.k), VK=_kind(cache.v), D=D, DP=DP,
                        BLOCK_M=block_m, BLOCK_N=block_n, NSINK=N_SINK, num_warps=4)
     if S == 1:
         out = o[:, :, 0]

@@ -3,14 +3,17 @@
 One program per head vector (b, t, h): it reads D f32 values and writes the row at position
 pos + t of `data[layer]` (B, Hkv, n_ctx, row_bytes) uint8 in ggml's block layout
 (ggml-common.h), or (B, Hkv, n_ctx, D) for the dense types. A block of 32 is handled as two
-halves of 16 (elements j and j + 16 share a byte: ggml's nibble order).
+halves of 16 (elements j and j + 16 share a byte: ggml's nibble order). q4_hadamard's scale
+search writes one code per element and the block scales (`quantize_codes`); the store packs
+them into its tiles, where positions share bytes (a per-vector program would race on them).
 
-References: the stores' own PyTorch quantizers (`Q8_0Store.quantize_blocks`, ...,
-`kvcli.cache.hadamard.quantize_q4_mse`), reached through `quantize_reference`. The kernels
-mirror their f32 arithmetic op for op (IEEE division via `div_rn`, no FMA contraction on GPU:
-launched with enable_fp_fusion=False), so ggml types are byte-exact. q4_hadamard's scale is
-a least-squares refit whose 32-term sums torch orders its own way: bytes can differ on rare
-blocks where the f32 sum rounds across an f16 boundary; the squared error matches.
+References: the stores' own PyTorch quantizers (`Q8_0Store.quantize_blocks`, ...), reached
+through `quantize_reference`, and `kvcli.cache.hadamard.quantize_vectors`
+(`quantize_codes_reference`). The kernels mirror their f32 arithmetic op for op (IEEE division
+via `div_rn`, no FMA contraction on GPU: launched with enable_fp_fusion=False), so ggml types
+are byte-exact. q4_hadamard's scale is a least-squares refit whose 32-term sums torch orders
+its own way: codes can differ on rare blocks where the f32 sum rounds across a bf16 boundary;
+the squared error matches.
 """
 
 from __future__ import annotations
@@ -21,11 +24,12 @@ import triton.language as tl
 
 from kvcli.cache.ggml_blocks import GGML_BLOCKS, KVALUES_IQ4NL, GgmlBlockStore
 from kvcli.cache.base import STORAGE_TYPES
+from kvcli.cache.hadamard import quantize_vectors as quantize_codes_reference  # noqa: F401  (quantize_codes')
 
 # constexpr KIND of each block type (the attention kernels use the same numbers)
 KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7,
          "iq4_nl": 8, "q4_hadamard": 9}
-_BLOCK_BYTES = {**{k: v[1] for k, v in GGML_BLOCKS.items()}, "q4_hadamard": 18}
+_BLOCK_BYTES = {k: v[1] for k, v in GGML_BLOCKS.items()}
 
 _tables: dict[tuple[str, torch.device], torch.Tensor] = {}
 
@@ -67,6 +71,14 @@ def _rne(v):
     r = tl.floor(v + 0.5)
     odd_tie = ((r - v) == 0.5) & ((r - 2.0 * tl.floor(r * 0.5)) == 1.0)
     return tl.where(odd_tie, r - 1.0, r)
+
+
+@triton.jit
+def _bf16_rne(v):
+    """v rounded to the nearest bf16, ties to even (torch's f32 -> bf16), kept as f32."""
+    u = v.to(tl.uint32, bitcast=True)
+    u = (u + 0x7FFF + ((u >> 16) & 1)) & 0xFFFF0000
+    return u.to(tl.float32, bitcast=True)
 
 
 @triton.jit
@@ -149,7 +161,8 @@ def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, ta
         i_hi = tl.where(live[:, None], i_hi, 0).to(tl.uint8)
         tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
         tl.store(dst_ptr + blk_at[:, None] + 2 + j[None, :], i_lo | (i_hi << 4), mask=m2)
-    elif KIND == 9:  # q4_hadamard: q4_0 layout; scales g * max / -8 over a grid, refit by least squares
+    elif KIND == 9:  # q4_hadamard: scales g * max / -8 over a grid, refit by least squares, kept as bf16
+        # dst: codes (B, H, T, D) uint8, one per element; dst16: scales (B, H, T, D / 32) f32 (bf16 values)
         best_err = tl.full([NBP], float("inf"), tl.float32)
         best_g = tl.zeros([NBP], dtype=tl.float32)
         best_d = tl.zeros([NBP], dtype=tl.float32)
@@ -162,7 +175,7 @@ def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, ta
             q_hi = tl.minimum(tl.maximum(_rne(_div(x_hi, dd)), -8.0), 7.0)
             num = tl.sum(q_lo * x_lo, 1) + tl.sum(q_hi * x_hi, 1)
             den = tl.maximum(tl.sum(q_lo * q_lo, 1) + tl.sum(q_hi * q_hi, 1), 1e-30)
-            d = _div(num, den).to(tl.float16).to(tl.float32)
+            d = _bf16_rne(_div(num, den))
             r_lo = x_lo - d[:, None] * q_lo
             r_hi = x_hi - d[:, None] * q_hi
             err = tl.sum(r_lo * r_lo, 1) + tl.sum(r_hi * r_hi, 1)
@@ -174,8 +187,9 @@ def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, ta
         dd = tl.broadcast_to(tl.where(d0 == 0.0, 1.0, d0)[:, None], [NBP, 16])
         q_lo = (tl.minimum(tl.maximum(_rne(_div(x_lo, dd)), -8.0), 7.0) + 8.0).to(tl.uint8)
         q_hi = (tl.minimum(tl.maximum(_rne(_div(x_hi, dd)), -8.0), 7.0) + 8.0).to(tl.uint8)
-        tl.store(dst16_ptr + blk_at // 2, best_d.to(tl.float16), mask=bmask)
-        tl.store(dst_ptr + blk_at[:, None] + 2 + j[None, :], q_lo | (q_hi << 4), mask=m2)
+        tl.store(dst16_ptr + blk_at // 32, best_d, mask=bmask)
+        tl.store(dst_ptr + blk_at[:, None] + j[None, :], q_lo, mask=m2)
+        tl.store(dst_ptr + blk_at[:, None] + 16 + j[None, :], q_hi, mask=m2)
     else:  # q4_0 (KIND 4) / q5_0 (KIND 6): d = signed absmax / -2^(bits-1), q = x / d + 2^(bits-1) + 0.5
         mx = _signed_absmax(x_lo, x_hi, amax, j)
         HALF: tl.constexpr = 8.0 if KIND == 4 else 16.0
@@ -252,6 +266,7 @@ def quantize_into(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> No
         _store_dense_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), dst, *dst.stride()[:3], pos, T, H,
                                   D=D, DP=triton.next_power_of_2(D), IS_BF16=kind == "bf16")
         return
+    assert kind != "q4_hadamard", "q4_hadamard writes codes and scales: quantize_codes"
     nb, bb = D // 32, _BLOCK_BYTES[kind]
     assert D % 32 == 0 and dst.shape[-1] == nb * bb and dst.stride(2) % 2 == 0
     tab = _table("iq4_nl" if kind == "iq4_nl" else "grid", x.device)
@@ -262,6 +277,22 @@ def quantize_into(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> No
                            enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
 
 
+def quantize_codes(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_hadamard's scale search: y (B, T, H, D) f32 -> codes (B, T, H, D) uint8 (0..15) and scales
+    (B, T, H, D / 32) f32 (bf16 values); the store lays them out (HadamardQ4Store.put)."""
+    B, T, H, D = y.shape
+    y = y.float()
+    if y.stride(-1) != 1:
+        y = y.contiguous()
+    nb = D // 32
+    codes = torch.empty(B, H, T, D, dtype=torch.uint8, device=y.device)
+    scales = torch.empty(B, H, T, nb, dtype=torch.float32, device=y.device)
+    _quantize_kernel[(B * T * H,)](y, y.stride(0), y.stride(1), y.stride(2), codes, scales, *codes.stride()[:3],
+                                   _table("grid", y.device), 0, T, H, KIND=KINDS["q4_hadamard"], NB=nb,
+                                   NBP=triton.next_power_of_2(nb), BB=32, enable_fp_fusion=False)
+    return codes.transpose(1, 2), scales.transpose(1, 2)
+
+
 def quantize_reference(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
     """The PyTorch reference of `quantize_into`, same signature: the stores' own quantizers."""
     B, T, H, D = x.shape
@@ -269,7 +300,7 @@ def quantize_reference(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) 
     if kind in ("f32", "f16", "bf16"):
         dst[:, :, pos : pos + T] = x.transpose(1, 2).to(dst.dtype)
         return
-    store_cls = STORAGE_TYPES[kind]  # q4_hadamard too: a q4_0-layout store with its MSE quantizer
+    store_cls = STORAGE_TYPES[kind]
     assert issubclass(store_cls, GgmlBlockStore)
     blocks = store_cls.quantize_blocks(x.reshape(B, T, H, D // 32, 32))
     dst[:, :, pos : pos + T] = blocks.reshape(B, T, H, -1).transpose(1, 2)

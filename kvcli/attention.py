@@ -8,7 +8,8 @@ small: one row per query) and V is still read chunk by chunk. A store may keep v
 a rotated space: the query goes into the K store's space and the output comes back out of
 the V store's. The products q.K and p.V of a chunk are the stores' own (Store.scores,
 Store.weighted_sum): q4_0 and q4_hadamard compute them for decode straight from their bytes
-(kvcli/cache/block_products.py). Triton kernels (CUDA) plug in here with the same signature.
+(kvcli/cache/block_products.py, kvcli/cache/int4_gemm.py). Triton kernels (CUDA) plug in here
+with the same signature.
 """
 
 from __future__ import annotations

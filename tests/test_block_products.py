@@ -1,5 +1,5 @@
-"""The CPU decode path that reads q4_0 / q4_hadamard blocks without dequantizing
-(kvcli/cache/block_products.py) against the dequantize-then-matmul reference."""
+"""The CPU decode path that reads q4_0 blocks without dequantizing (kvcli/cache/block_products.py)
+against the dequantize-then-matmul reference. q4_hadamard's own path: test_int4_gemm.py."""
 
 import pytest
 import torch
@@ -9,7 +9,7 @@ from kvcli.attention import attend_reference
 from kvcli.cache import KVCache, block_products
 from kvcli.cache.base import STORAGE_TYPES
 
-DIRECT_TYPES = ["q4_0", "q4_hadamard"]
+DIRECT_TYPES = ["q4_0"]
 
 
 def _cache(kind_k, kind_v, B, Hkv, D, n, seed=0, scale=1.0):
@@ -70,8 +70,7 @@ def test_one_hot_weights_read_back_each_vector(kind):
     torch.testing.assert_close(out, cache.v.load(0, 0, n)[:, :, :10], rtol=1e-6, atol=1e-5)
 
 
-@pytest.mark.parametrize("kinds", [("q4_hadamard", "q4_hadamard"), ("q8_0", "q4_0"), ("q4_0", "f16"),
-                                   ("f16", "q4_hadamard")])
+@pytest.mark.parametrize("kinds", [("q4_0", "q4_0"), ("q8_0", "q4_0"), ("q4_0", "f16")])
 @pytest.mark.parametrize("H,Hkv", [(6, 2), (4, 4)])  # GQA and MHA
 @pytest.mark.parametrize("flash", [True, False])
 def test_decode_attention_matches_the_reference(kinds, H, Hkv, flash, monkeypatch):
@@ -106,24 +105,24 @@ def test_store_pair_writes_what_two_stores_write(kind):
     steps = [(0, 6), (6, 1), (7, 3)]
     xs = [(torch.randn(2, T, 2, 64, generator=g), torch.randn(2, T, 2, 64, generator=g)) for _, T in steps]
     pair = KVCache(2, 2, 2, 16, 64, kind, kind)
-    k_alone = STORAGE_TYPES[kind](2, 2, 2, 16, 64)
+    k_alone = STORAGE_TYPES[kind](2, 2, 2, 16, 64, keys=True)
     v_alone = STORAGE_TYPES[kind](2, 2, 2, 16, 64)
     for (pos, _), (k, v) in zip(steps, xs):
         pair.store(1, k, v, pos)
         k_alone.store(1, k, pos)
         v_alone.store(1, v, pos)
     for a, b in ((pair.k, k_alone), (pair.v, v_alone)):
-        for name in ("data", "sink", "offset"):
+        for name in ("data", "scale", "sink", "offset"):
             if hasattr(a, name):
                 assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
-@pytest.mark.parametrize("kind,max_kld", [("q4_0", 2e-3), ("q4_hadamard", 1e-4)])
+@pytest.mark.parametrize("kind,max_kld", [("q4_0", 2e-3), ("q4_hadamard", 3e-3)])
 def test_real_model_decode_matches_the_exact_path(default_model, monkeypatch, kind, max_kld):
-    """SmolLM2 (massive activations in a few dimensions: the hard case for the two-part query split):
-    decode logits through the byte-reading path against dequantize-then-matmul, same cache bytes.
-    Measured: KL 2.6e-4 (q4_0), 4e-6 (q4_hadamard), against these types' own 0.144 / 0.016
-    against f16."""
+    """SmolLM2 (massive activations in a few dimensions: the hard case for the two-part query split
+    and for bf16): decode logits through the byte-reading path (q4_hadamard: the bf16 int4 GEMM,
+    kvcli/cache/int4_gemm.py) against dequantize-then-matmul, same cache bytes. Measured: KL 2.6e-4
+    (q4_0), 6e-4 to 1.0e-3 (q4_hadamard), against these types' own 0.144 / 0.016 against f16."""
     from kvcli.llama import Llama
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(300)]

@@ -1,5 +1,6 @@
 """q4_hadamard: rotation, scale search, sinks, offsets, byte count, and attention in the rotated space."""
 
+import pytest
 import torch
 
 from kvcli.cache import KVCache, resolve_type
@@ -17,29 +18,38 @@ def test_rotation_is_orthogonal():
 
 def test_mse_scale_never_worse_than_ggml_q4_0():
     x = torch.randn(4096, 32) * torch.rand(4096, 1) * 10
-    ours = Q4_0Store.dequantize_blocks(quantize_q4_mse(x))
+    d, u = quantize_q4_mse(x)
+    assert d.shape == (4096, 1) and u.dtype == torch.uint8 and int(u.max()) <= 15
+    assert torch.equal(d, d.bfloat16().float())  # the scale is a bf16 value
+    ours = d * (u.float() - 8)
     ggml = Q4_0Store.dequantize_blocks(Q4_0Store.quantize_blocks(x))
     err_ours, err_ggml = ((x - ours) ** 2).sum(-1), ((x - ggml) ** 2).sum(-1)
-    assert (err_ours <= err_ggml * 1.01 + 1e-6).all()  # 1%: the refit scale is rounded to fp16 too
+    assert (err_ours <= err_ggml * 1.01 + 1e-6).all()  # 1%: the refit scale is rounded to bf16, ggml's to fp16
     assert err_ours.mean() < 0.9 * err_ggml.mean()
 
 
-def test_bytes_counted_and_planned():
+@pytest.mark.parametrize("keys", [True, False])
+def test_bytes_counted_and_planned(keys):
     L, B, H, n, D = 3, 2, 4, 100, 64
-    store = resolve_type("q4_hadamard")(L, B, H, n, D)
-    assert store.nbytes() == L * B * H * (n * D // 32 * 18 + N_SINK * D * 2 + D * 4)
+    store = resolve_type("q4_hadamard")(L, B, H, n, D, keys=keys)
+    n_pad = 128  # whole tiles of 64 positions
+    assert store.nbytes() == L * B * H * (n_pad * D // 32 * 18 + N_SINK * D * 2 + D * 4)
     assert store.nbytes() == type(store).nbytes_for(L, B, H * D, n)
     assert store.bits_per_element() == 4.5
     assert resolve_type("q4").name == "q4_hadamard" and resolve_type("q8").name == "q8_0"
 
 
-def test_round_trip_in_rotated_space_sinks_exactish():
+@pytest.mark.parametrize("keys", [True, False])  # position tiles (keys) or element tiles (values)
+def test_round_trip_in_rotated_space_sinks_exactish(keys):
     torch.manual_seed(0)
-    store = resolve_type("q4_hadamard")(1, 1, 2, 40, 64)
-    x = torch.randn(1, 40, 2, 64) + 3.0  # an offset the store should take out
+    store = resolve_type("q4_hadamard")(1, 1, 2, 140, 64, keys=keys)
+    x = torch.randn(1, 140, 2, 64) + 3.0  # an offset the store should take out
     store.store(0, x[:, :10], 0)
-    store.store(0, x[:, 10:], 10)
-    back = store.from_storage(store.load(0, 0, 40)).transpose(1, 2)  # (1, 40, 2, 64)
+    for pos in range(10, 70):  # one position at a time (decode), across a tile boundary
+        store.store(0, x[:, pos : pos + 1], pos)
+    store.store(0, x[:, 70:], 70)
+    back = store.from_storage(store.load(0, 0, 140)).transpose(1, 2)  # (1, 140, 2, 64)
+    torch.testing.assert_close(store.from_storage(store.load(0, 33, 97)).transpose(1, 2), back[:, 33:97])
     assert torch.allclose(back[:, :N_SINK], x[:, :N_SINK], atol=1e-2)  # sinks: f16
     rel = (back - x).norm() / x.norm()
     assert rel < 0.05, rel

@@ -18,13 +18,13 @@ pytest.importorskip("triton", reason="triton is not installed (pip install trito
 
 from kernels.attention import attend_kernel, attend_reference  # noqa: E402
 from kernels.dispatch import _attend, attend_cuda  # noqa: E402
-from kernels.quantize import quantize_into, quantize_reference  # noqa: E402
+from kernels.quantize import quantize_codes, quantize_codes_reference, quantize_into, quantize_reference  # noqa: E402
 from kvcli.attention import attend  # noqa: E402
 from kvcli.cache import KVCache, block_products  # noqa: E402
 from kvcli.cache.base import STORAGE_TYPES  # noqa: E402
 
 ALL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_hadamard"]
-BLOCK_TYPES = [t for t in ALL_TYPES if t not in ("f32", "f16", "bf16")]
+ROW_TYPES = ALL_TYPES[:-1]  # one row of blocks per vector; q4_hadamard writes codes, the store packs them
 DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -60,7 +60,7 @@ def _row_bytes(kind: str, D: int) -> int:
     return D if kind in DENSE else D // 32 * STORAGE_TYPES[kind].block_bytes
 
 
-@pytest.mark.parametrize("kind", ALL_TYPES)
+@pytest.mark.parametrize("kind", ROW_TYPES)
 def test_quantize_on_write_equals_reference(kind):
     # positions 3..8 of a 12-position cache: the kernel writes only its rows, the rest stay as they were
     B, T, H, D = 2, 5, 2, 64
@@ -74,7 +74,7 @@ def test_quantize_on_write_equals_reference(kind):
     assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
 
 
-@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q5_1", "q4_hadamard"])
+@pytest.mark.parametrize("kind", ["q8_0", "q4_0", "q5_1"])
 @pytest.mark.parametrize("D", [32, 128])
 def test_quantize_head_dims(kind, D):
     x = torch.randn(1, 3, 2, D, generator=torch.Generator().manual_seed(D)) * 2
@@ -85,22 +85,34 @@ def test_quantize_head_dims(kind, D):
     assert torch.equal(out, ref)
 
 
-def test_store_hadamard_matches_the_store(monkeypatch):
-    """The store's Triton branch (rotation, sinks, offset, then the kernel's 4-bit write) equals
-    its PyTorch path: the switch is forced on for CPU tensors, which the interpreter runs."""
-    import kvcli.cache.ggml_blocks as ggml_blocks
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_hadamard_codes_equal_reference(D):
+    """q4_hadamard's scale search: the kernel's codes and bf16 scales equal the store's own."""
+    x = _adversarial(2, 5, 2, D)
+    u, d = quantize_codes(x)
+    u_ref, d_ref = quantize_codes_reference(x)
+    assert u.shape == u_ref.shape == (2, 5, 2, D) and d.shape == d_ref.shape == (2, 5, 2, D // 32)
+    assert torch.equal(u, u_ref) and torch.equal(d, d_ref)
+
+
+@pytest.mark.parametrize("keys", [True, False])
+def test_store_hadamard_matches_the_store(monkeypatch, keys):
+    """The store's Triton branch (rotation, sinks, offset, the kernel's scale search, then the
+    store's packing into key or value tiles) equals its PyTorch path: the switch is forced on for
+    CPU tensors, which the interpreter runs."""
+    import kvcli.cache.hadamard as hadamard
 
     g = torch.Generator().manual_seed(3)
-    a = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 16, 64)
-    b = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 16, 64)
-    steps = [(0, 6), (6, 1), (7, 3)]  # prefill past the sinks, then decode steps
+    a = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 80, 64, keys=keys)
+    b = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 80, 64, keys=keys)
+    steps = [(0, 6), (6, 1), (7, 30), (37, 1), (38, 40)]  # prefill past the sinks, decode, a second tile
     xs = [torch.randn(1, T, 2, 64, generator=g) for _, T in steps]
     for (pos, _), x in zip(steps, xs):
         a.store(0, x, pos)
-    monkeypatch.setattr(ggml_blocks, "use_triton", lambda t: True)  # the block stores' one write path
+    monkeypatch.setattr(hadamard, "use_triton", lambda t: True)
     for (pos, _), x in zip(steps, xs):
         b.store(0, x, pos)
-    for name in ("data", "sink", "offset"):
+    for name in ("data", "scale", "sink", "offset"):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 

@@ -47,11 +47,13 @@ class Store:
         """Map an attention output (V store) back from that space; identity here."""
         return x
 
-    def __init__(self, n_layers: int, batch: int, n_heads: int, n_ctx: int, head_dim: int, device: str = "cpu"):
+    def __init__(self, n_layers: int, batch: int, n_heads: int, n_ctx: int, head_dim: int, device: str = "cpu",
+                 keys: bool = False):
+        """keys: the store holds keys (a format may lay them out for q . K rather than for p . V)."""
         if head_dim % self.block_size:
             raise KvcliError(f"cache type {self.name} needs a head size divisible by {self.block_size}, got {head_dim}")
         self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim = n_layers, batch, n_heads, n_ctx, head_dim
-        self.device = device
+        self.device, self.keys = device, keys
 
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -94,7 +96,7 @@ class KVCache:
                  type_k: str = "f16", type_v: str = "f16", device: str = "cpu", flash_attn: bool = True):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
         self.flash_attn = flash_attn  # attention: online softmax (on) or materialized scores (off)
-        self.k = resolve_type(type_k)(*shape, device=device)
+        self.k = resolve_type(type_k)(*shape, device=device, keys=True)
         self.v = resolve_type(type_v)(*shape, device=device)
         self.n_layers, self.batch, self.n_ctx = n_layers, batch, n_ctx
 

@@ -1,6 +1,6 @@
 """Decode attention read straight from 4-bit blocks: no dequantized copy of the cache, even per chunk.
 
-For q4_0 and q4_hadamard, element e of a stored head vector is  v[e] = d[b] (u[e] - 8), b = e // 32,
+For q4_0, element e of a stored head vector is  v[e] = d[b] (u[e] - 8), b = e // 32,
 with u the nibble (byte j of a block: element j low, j + 16 high).
 So for a query row q and a probability row p over positions t
     q . v_t          = sum_b d[t, b] (q_b . u_t,b  -  bias sum(q_b))            (scores)
@@ -14,10 +14,11 @@ pairs. The header columns (the fp16 scales) hold garbage that gets zero weight o
     high nibbles as floats (low = byte - 16 high), stacked back into the plane's column order.
 Used for decode (few query rows); with many rows, dequantizing a chunk once costs less. Measured
 on SmolLM2 at depth 4096 (benchmarks/cache_decode.py, median of interleaved runs): decode +7%
-for q4_hadamard and q4_0 over dequantize-then-matmul; for q8_0 (dequantizing is one cast) it was
-4% slower, so q8_0 keeps the dequantizing path. SmolLM2's few massive activation dimensions make
-the query split hardest; its decode logits differ from the dequantizing path by KL 2.6e-4 (q4_0)
-and 4e-6 (q4_hadamard), two to three orders below these types' own loss against f16.
+for q4_0 over dequantize-then-matmul; for q8_0 (dequantizing is one cast) it was 4% slower, so
+q8_0 keeps the dequantizing path. SmolLM2's few massive activation dimensions make the query
+split hardest; its decode logits differ from the dequantizing path by KL 2.6e-4, almost three
+orders below q4_0's own loss against f16. (q4_hadamard, whose layout is kvcli's own, stores its
+codes where torch's int4 GEMM reads them: kvcli/cache/int4_gemm.py.)
 """
 
 from __future__ import annotations

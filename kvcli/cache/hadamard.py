@@ -6,13 +6,18 @@ The format, in one place. For each layer, sequence and KV head, a head vector x 
   2. offset: y = r - c, where c (D, f32) is the mean of the rotated vectors of the first
      stored batch past the sinks. Exact: softmax ignores a constant added to every score
      of a query (keys), and its weights sum to 1 (values);
-  3. stored as q4_0-layout blocks of 32 (fp16 d, 16 bytes of nibbles, value = d (q - 8)),
-     with d chosen from a small grid plus a least-squares refit to minimise the block's
-     squared error (not ggml's max/-8).
+  3. quantized in blocks of 32 elements: y = d (u - 8), u a 4-bit code, d a bf16 scale chosen
+     from a small grid plus a least-squares refit to minimise the block's squared error (not
+     ggml's max/-8). Scales: (D / 32, n_pad) bf16 per head, n_pad = n_ctx rounded up to 64.
+     Codes, two per byte, in the tiles torch's int4 CPU GEMM reads (kvcli/cache/int4_gemm.py):
+       keys:   (n_pad / 64, D, 32) per head; byte (i, e, j) = element e of positions 64 i + j
+               (low nibble) and 64 i + j + 32 (high): decode scores are one GEMM per head;
+       values: (D / W, n_pad, W / 2) per head, W = min(64, D); byte (i, t, j) = elements
+               W i + j (low) and W i + j + W / 2 (high) of position t: weighted sums likewise.
 The first N_SINK positions (attention sinks) are also kept as rotated f16 and used in place
 of their 4-bit copy. Attention compares keys in the rotated space (q is rotated once) and
-rotates the value output back once. Bytes: 4.5 bits per element, plus sinks and offsets,
-all counted in `nbytes`.
+rotates the value output back once. Bytes: 4.5 bits per element, plus the sinks, offsets and
+the padding to 64 positions, all counted in `nbytes`.
 """
 
 from __future__ import annotations
@@ -21,8 +26,9 @@ import math
 
 import torch
 
-from kvcli.cache import block_products
-from kvcli.cache.ggml_blocks import Q4_0Store, _f16_bytes, _pack_nibbles
+from kernels import use_triton
+from kvcli.cache import block_products, int4_gemm
+from kvcli.cache.base import Store
 from kvcli.errors import KvcliError
 
 N_SINK = 4
@@ -41,8 +47,8 @@ def rotation(dim: int, seed: int = 0) -> torch.Tensor:
     return h * signs / math.sqrt(dim)
 
 
-def quantize_q4_mse(x: torch.Tensor) -> torch.Tensor:
-    """(..., 32) f32 -> (..., 18) q4_0-layout blocks with a squared-error-minimising scale.
+def quantize_q4_mse(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(..., 32) f32 -> d (..., 1) f32 holding bf16 values, u (..., 32) uint8 codes 0..15: x ~ d (u - 8).
 
     Candidates d = g * m / -8 (m: the signed value of largest magnitude; g = 1 is ggml's q4_0
     choice, so the extreme may use level -8), each refit by least squares for its levels."""
@@ -51,35 +57,51 @@ def quantize_q4_mse(x: torch.Tensor) -> torch.Tensor:
     d = m * grid / -8  # (S, ..., 1) candidate scales
     q = (x / torch.where(d == 0, 1.0, d)).round().clamp(-8, 7)  # (S, ..., 32)
     d = (q * x).sum(-1, keepdim=True) / (q * q).sum(-1, keepdim=True).clamp_min(1e-30)
-    d = d.half().float()  # the scale is stored as fp16: judge the error with that
+    d = d.bfloat16().float()  # the scale is stored as bf16: judge the error with that
     err = ((x - d * q) ** 2).sum(-1, keepdim=True)  # (S, ..., 1)
     best = err.argmin(dim=0, keepdim=True)
     d = d.gather(0, best)[0]
     q = q.gather(0, best.expand(1, *q.shape[1:]))[0]
-    return torch.cat([_f16_bytes(d), _pack_nibbles((q + 8).to(torch.uint8))], dim=-1)
+    return d, (q + 8).to(torch.uint8)
 
 
-class HadamardQ4Store(Q4_0Store):
-    """q4_0's block layout (so its dequantizer and decode path) holding rotated, offset vectors."""
+def quantize_vectors(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (B, T, H, D) f32 -> codes (B, T, H, D) uint8, scales (B, T, H, D / 32) f32, block by block."""
+    B, T, H, D = y.shape
+    d, u = quantize_q4_mse(y.reshape(B, T, H, D // 32, 32))
+    return u.view(B, T, H, D), d.view(B, T, H, D // 32)
+
+
+class HadamardQ4Store(Store):
+    """Rotated, offset vectors as 4-bit codes in int4 GEMM tiles (keys and values differ), bf16 scales."""
 
     name = "q4_hadamard"
-    quantize_blocks = staticmethod(quantize_q4_mse)
+    block_size, block_bytes = 32, 18  # 16 bytes of codes and a bf16 scale per 32 elements: 4.5 bits
 
     def __init__(self, *args, **kwargs):
-        super().__init__(*args, **kwargs)  # self.data: (L, B, H, n_ctx, row_bytes) q4_0 blocks
+        super().__init__(*args, **kwargs)
         L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
+        if D % 32:
+            raise KvcliError(f"cache type {self.name} needs a head size divisible by 32, got {D}")
+        self.n_pad = -(-n // int4_gemm.TILE) * int4_gemm.TILE
+        self.width = min(int4_gemm.TILE, D)  # W: elements per value tile
+        shape = (self.n_pad // 64, D, 32) if self.keys else (D // self.width, self.n_pad, self.width // 2)
+        self.data = torch.zeros(L, B, H, *shape, dtype=torch.uint8, device=self.device)
+        self.scale = torch.zeros(L, B, H, D // 32, self.n_pad, dtype=torch.bfloat16, device=self.device)
         self.rot = rotation(D).to(self.device)  # r = x @ rot.T
         self.sink = torch.zeros(L, B, H, min(N_SINK, n), D, dtype=torch.float16, device=self.device)
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
         self.offset_set = [False] * L
+        self._unit = None  # (n_pad / 32, 64, 2) bf16 unit scales for the value GEMM, made on first use
 
     @classmethod
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
-        per_layer = n_ctx * kv_dim // 32 * cls.block_bytes + kv_dim * (min(N_SINK, n_ctx) * 2 + 4)
+        n_pad = -(-n_ctx // int4_gemm.TILE) * int4_gemm.TILE
+        per_layer = n_pad * kv_dim // 32 * cls.block_bytes + kv_dim * (min(N_SINK, n_ctx) * 2 + 4)
         return n_layers * batch * per_layer
 
     def nbytes(self) -> int:
-        return sum(t.numel() * t.element_size() for t in (self.data, self.sink, self.offset))
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sink, self.offset))
 
     def to_storage(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.rot.T
@@ -87,9 +109,10 @@ class HadamardQ4Store(Q4_0Store):
     def from_storage(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.rot
 
+    # ---- writing ----
     def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
         """Rotate x (B, T, H, D), keep the sinks, set the offset on a sequence's first batch past
-        them -> y = r - c, the values the 4-bit blocks hold."""
+        them -> y = r - c, the values the 4-bit codes hold."""
         T = x.shape[1]
         r = self.to_storage(x.float())  # (B, T, H, D)
         if pos == 0:
@@ -103,36 +126,94 @@ class HadamardQ4Store(Q4_0Store):
             self.offset_set[layer] = True
         return r - self.offset[layer]
 
+    @staticmethod
+    def quantize(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """quantize_vectors, through its Triton kernel (kernels/quantize.py) on CUDA."""
+        if use_triton(y):
+            from kernels.quantize import quantize_codes
+
+            return quantize_codes(y)
+        return quantize_vectors(y)
+
+    def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        self.put(layer, *self.quantize(self.prepare(layer, x, pos)), pos)
+
+    def store_pair(self, other: "HadamardQ4Store", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
+        """K here, V in `other`, quantized in one pass (the scale search's ops run once per token)."""
+        B = x.shape[0]
+        u, d = self.quantize(torch.cat([self.prepare(layer, x, pos), other.prepare(layer, y, pos)]))
+        self.put(layer, u[:B], d[:B], pos)
+        other.put(layer, u[B:], d[B:], pos)
+
+    def put(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: int) -> None:
+        """Codes u (B, T, H, D) and scales d (B, T, H, D / 32) into positions pos..pos+T-1."""
+        B, T, H, D = u.shape
+        self.scale[layer, :, :, :, pos : pos + T] = d.permute(0, 2, 3, 1)
+        if self.keys and T == 1:  # decode: one nibble of D bytes, positions pos and pos +- 32 share them
+            high = pos % 64 >= 32
+            col = self.data[layer, :, :, pos // 64, :, pos % 32]  # (B, H, D), a view
+            col.copy_((col & (0x0F if high else 0xF0)) | (u[:, 0] << 4 if high else u[:, 0]))
+        elif self.keys:  # rewrite the touched tiles
+            t0, t1 = pos // 64, -(-(pos + T) // 64)
+            tiles = self.data[layer, :, :, t0:t1]  # (B, H, nt, D, 32)
+            codes = int4_gemm.unpack_pairs(tiles).transpose(-1, -2).reshape(B, H, -1, D)  # (B, H, 64 nt, D)
+            codes[:, :, pos - 64 * t0 : pos - 64 * t0 + T] = u.transpose(1, 2)
+            tiles.copy_(int4_gemm.pack_pairs(codes.view(B, H, t1 - t0, 64, D).transpose(-1, -2)))
+        else:
+            W = self.width
+            u = u.reshape(B, T, H, D // W, W)
+            self.data[layer, :, :, :, pos : pos + T] = (u[..., : W // 2] | u[..., W // 2 :] << 4).permute(0, 2, 3, 1, 4)
+
+    # ---- reading ----
+    def codes(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """The codes of positions start..end-1 as (B, H, end - start, D) uint8."""
+        B, H, D = self.batch, self.n_heads, self.head_dim
+        if self.keys:
+            t0, t1 = start // 64, -(-end // 64)
+            u = int4_gemm.unpack_pairs(self.data[layer, :, :, t0:t1]).transpose(-1, -2).reshape(B, H, -1, D)
+            return u[:, :, start - 64 * t0 : end - 64 * t0]
+        W = self.width
+        planes = self.data[layer, :, :, :, start:end]  # (B, H, D / W, n, W / 2)
+        u = torch.cat([planes & 15, planes >> 4], -1)  # (B, H, D / W, n, W)
+        return u.transpose(2, 3).reshape(B, H, end - start, D)
+
     def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
         """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0."""
         return self.sink[layer, :, :, start : max(start, min(end, N_SINK))].float()
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Rotated-space vectors (B, H, end - start, D) f32."""
-        y = super().load(layer, start, end)
-        y.add_(self.offset[layer].transpose(1, 2))  # (B, H, 1, D), in place: y is a fresh buffer
+        B, H, n, D = self.batch, self.n_heads, end - start, self.head_dim
+        y = self.codes(layer, start, end).float().sub_(8).view(B, H, n, D // 32, 32)
+        y = y.mul_(self.scale[layer, :, :, :, start:end].transpose(-1, -2)[..., None]).view(B, H, n, D)
+        y.add_(self.offset[layer].transpose(1, 2))  # (B, H, 1, D)
         sinks = self._sinks(layer, start, end)
         y[:, :, : sinks.shape[2]] = sinks
         return y
 
-    # Decode reads the 4-bit bytes directly (block_products); the offset and sinks are added here.
+    def gemm(self, x: torch.Tensor) -> bool:
+        """Decode products through the int4 GEMM? A few query rows, on the CPU, a layout torch agrees on."""
+        return (x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
+                and (self.keys or self.head_dim % 64 == 0) and int4_gemm.available())
+
     def scores(self, layer, q, start, end):
-        if not self.direct(q):
-            return super().scores(layer, q, start, end)
-        s = super().scores(layer, q, start, end)  # q . y_t
+        if not self.gemm(q):
+            return super().scores(layer, q, start, end)  # through load: offset and sinks included
+        s = int4_gemm.scores(q, self.data[layer], self.scale[layer], start, end)  # q . y_t
         s += q @ self.offset[layer].permute(0, 2, 3, 1)  # + q . c: (B, H, R, D) @ (B, H, D, 1)
         sinks = self._sinks(layer, start, end)
         s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
         return s
 
     def weighted_sum(self, layer, p, start, end):
-        if not self.direct(p):
+        if not self.gemm(p):
             return super().weighted_sum(layer, p, start, end)
-        B, H, R, t = p.shape
+        if self._unit is None:
+            self._unit = torch.zeros(self.n_pad // 32, 64, 2, dtype=torch.bfloat16)
+            self._unit[..., 0] = 1
         sinks = self._sinks(layer, start, end)
         m = sinks.shape[2]
-        out = block_products.weighted_sum(p.reshape(B * H, R, t), self.rows(layer, start, end), self.codes,
-                                          skip=m).view(B, H, R, self.head_dim)
+        out = int4_gemm.weighted_sum(p, self.data[layer], self.scale[layer], start, end, self._unit, skip=m)
         out.addcmul_(p[..., m:].sum(-1, keepdim=True), self.offset[layer].transpose(1, 2))  # + c, past the sinks
         if m:
             out += p[..., :m] @ sinks

@@ -1,0 +1,92 @@
+"""q4_hadamard's CPU decode products through torch's int4 GEMM (kvcli/cache/int4_gemm.py) against
+the dequantize-then-matmul reference; the real-model check is in test_block_products.py."""
+
+import pytest
+import torch
+
+import kvcli.attention as attention
+from kvcli.attention import attend_reference
+from kvcli.cache import KVCache, block_products, int4_gemm
+
+BF16 = 2.0**-8  # bf16's relative precision: the GEMM's inputs and outputs are rounded to it
+
+
+def _cache(kind_k, kind_v, B, Hkv, D, n, seed=0):
+    cache = KVCache(1, B, Hkv, n + 8, D, kind_k, kind_v)
+    g = torch.Generator().manual_seed(seed)
+    k, v = (torch.randn(B, n, Hkv, D, generator=g) for _ in range(2))
+    k[:, 5] = 0.0  # an all-zero vector: zero scales
+    cache.store(0, k[:, : n - 2], v[:, : n - 2], 0)
+    for pos in (n - 2, n - 1):  # decode writes: one nibble per byte
+        cache.store(0, k[:, pos : pos + 1], v[:, pos : pos + 1], pos)
+    return cache
+
+
+def _exact(monkeypatch, fn):
+    """fn() with the byte-reading paths off: dequantize, then f32 matmuls."""
+    with monkeypatch.context() as m:
+        m.setattr(block_products, "MAX_ROWS", 0)
+        return fn()
+
+
+def test_torch_layout_is_ours():
+    """This torch packs and multiplies as int4_gemm assumes (else q4_hadamard dequantizes instead)."""
+    assert int4_gemm.available(), "torch's _weight_int4pack_mm_for_cpu is missing or changed its tile layout"
+    u = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
+    assert torch.equal(int4_gemm.unpack_pairs(int4_gemm.pack_pairs(u)), u)
+
+
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_products_equal_the_dequantized_ones(D):
+    """Scores and weighted sums from the tiles equal q @ load().T and p @ load() to bf16 precision,
+    for ranges inside and past the sinks and across 64-position tiles."""
+    B, Hkv, n, R = 2, 3, 141, 5
+    cache = _cache("q4_hadamard", "q4_hadamard", B, Hkv, D, n, seed=D)
+    g = torch.Generator().manual_seed(1)
+    q = cache.k.to_storage(torch.randn(B, Hkv, R, D, generator=g))
+    p = torch.softmax(torch.randn(B, Hkv, R, n, generator=g) * 3, -1)
+    assert cache.k.gemm(q) and cache.v.gemm(p) == (D % 64 == 0)  # value tiles of 64 elements only
+    for start, end in [(0, n), (0, 3), (2, 9), (17, n), (64, 130), (70, 71)]:
+        s = cache.k.scores(0, q, start, end)
+        s_ref = q @ cache.k.load(0, start, end).transpose(-1, -2)
+        torch.testing.assert_close(s, s_ref, rtol=0, atol=2 * BF16 * s_ref.abs().max().item())
+        out = cache.v.weighted_sum(0, p[..., start:end], start, end)
+        ref = p[..., start:end] @ cache.v.load(0, start, end)
+        torch.testing.assert_close(out, ref, rtol=0, atol=2 * BF16 * ref.abs().max().item())
+
+
+def test_one_hot_weights_read_back_each_vector():
+    """All weight on one position gives that position's stored vector: every element from its nibble."""
+    B, Hkv, D, n = 1, 2, 128, 80
+    cache = _cache("q4_hadamard", "q4_hadamard", B, Hkv, D, n, seed=3)
+    picked = torch.arange(4, n, 5)  # 16 positions, one per query row
+    p = torch.eye(n)[picked].expand(B, Hkv, len(picked), n).contiguous()
+    out = cache.v.weighted_sum(0, p, 0, n)
+    ref = cache.v.load(0, 0, n)[:, :, picked]
+    torch.testing.assert_close(out, ref, rtol=BF16, atol=BF16 * ref.abs().max().item())
+
+
+@pytest.mark.parametrize("kinds", [("q4_hadamard", "q4_hadamard"), ("q4_hadamard", "f16"), ("q8_0", "q4_hadamard")])
+@pytest.mark.parametrize("H,Hkv", [(6, 2), (4, 4)])  # GQA and MHA
+@pytest.mark.parametrize("flash", [True, False])
+def test_decode_attention_matches_the_reference(kinds, H, Hkv, flash, monkeypatch):
+    """Whole decode attention (1 and 3 new tokens) in 16-position chunks (not tile-aligned), online
+    softmax and -fa off, against the dequantizing reference."""
+    monkeypatch.setattr(attention, "MIN_CHUNK", 16)
+    monkeypatch.setattr(attention, "CHUNK_BYTES", 16 * 4 * 2 * Hkv * 64)
+    B, D, n = 2, 64, 83
+    cache = _cache(*kinds, B, Hkv, D, n, seed=H)
+    cache.flash_attn = flash
+    g = torch.Generator().manual_seed(2)
+    for T in (1, 3):
+        q = torch.randn(B, T, H, D, generator=g)
+        out = attend_reference(q, cache, 0, n - T, flash=flash)
+        ref = _exact(monkeypatch, lambda: attend_reference(q, cache, 0, n - T, flash=flash))
+        torch.testing.assert_close(out, ref, rtol=0, atol=4 * BF16 * ref.abs().max().item())
+
+
+def test_path_choice():
+    """Decode-sized queries on CPU use the GEMM; prefill-sized ones dequantize."""
+    cache = KVCache(1, 1, 2, 8, 64, "q4_hadamard", "q4_hadamard")
+    assert cache.k.gemm(torch.zeros(1, 2, block_products.MAX_ROWS, 64))
+    assert not cache.v.gemm(torch.zeros(1, 2, block_products.MAX_ROWS + 1, 8))
