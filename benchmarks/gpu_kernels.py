@@ -21,7 +21,7 @@ H, HKV, D = 32, 8, 128
 
 def check(types) -> bool:
     from kernels.attention import attend_kernel, attend_reference
-    from kernels.quantize import quantize_into, quantize_reference
+    from kernels.quantize import quantize_codes, quantize_codes_reference, quantize_into, quantize_reference
     from kvcli.cache import KVCache
 
     ok = True
@@ -30,11 +30,15 @@ def check(types) -> bool:
         # quantize-on-write: a 512-token prefill of one layer, bytes against the PyTorch reference (on GPU)
         x = torch.randn(1, 512, HKV, D, device="cuda", generator=g) * 3
         cache = KVCache(1, 1, HKV, 1024, D, kind, kind, device="cuda")
-        dst = cache.k.data[0]
-        out, ref = torch.zeros_like(dst), torch.zeros_like(dst)
-        quantize_into(kind, x, out, 0)
-        quantize_reference(kind, x, ref, 0)
-        same = (out.view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
+        if kind == "q4_hadamard":  # codes and scales (the store packs them into its tiles)
+            (u, d), (u_ref, d_ref) = quantize_codes(x), quantize_codes_reference(x)
+            same = torch.cat([(u == u_ref).flatten(), (d == d_ref).flatten()]).float().mean().item()
+        else:
+            dst = cache.k.data[0]
+            out, ref = torch.zeros_like(dst), torch.zeros_like(dst)
+            quantize_into(kind, x, out, 0)
+            quantize_reference(kind, x, ref, 0)
+            same = (out.view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
         # attention: decode at depth 1000 and a 24-token prefill, kernel against the reference
         k, v = (torch.randn(1, 1000, HKV, D, device="cuda", generator=g) for _ in range(2))
         cache.store(0, k, v, 0)  # through the stores' CUDA branch (the kernels)

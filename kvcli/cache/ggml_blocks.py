@@ -152,17 +152,13 @@ class GgmlBlockStore(Store):
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """x (B, T, Hkv, D) -> the f32 values to quantize (q4_hadamard rotates and offsets here)."""
-        return x.float()
-
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        self.write(layer, self.prepare(layer, x, pos), pos)
+        self.write(layer, x.float(), pos)
 
     def store_pair(self, other: "GgmlBlockStore", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
         """K here, V in `other` (same type), quantized in one pass: the quantizer's few dozen small ops
         run once per token instead of twice."""
-        x, y = self.prepare(layer, x, pos), other.prepare(layer, y, pos)
+        x, y = x.float(), y.float()
         if use_triton(x):
             self.write(layer, x, pos)
             other.write(layer, y, pos)

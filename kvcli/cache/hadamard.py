@@ -81,10 +81,8 @@ class HadamardQ4Store(Store):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
-        if D % 32:
-            raise KvcliError(f"cache type {self.name} needs a head size divisible by 32, got {D}")
-        self.n_pad = -(-n // int4_gemm.TILE) * int4_gemm.TILE
-        self.width = min(int4_gemm.TILE, D)  # W: elements per value tile
+        self.n_pad = -(-n // 64) * 64
+        self.width = min(64, D)  # W: elements per value tile
         shape = (self.n_pad // 64, D, 32) if self.keys else (D // self.width, self.n_pad, self.width // 2)
         self.data = torch.zeros(L, B, H, *shape, dtype=torch.uint8, device=self.device)
         self.scale = torch.zeros(L, B, H, D // 32, self.n_pad, dtype=torch.bfloat16, device=self.device)
@@ -96,7 +94,7 @@ class HadamardQ4Store(Store):
 
     @classmethod
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
-        n_pad = -(-n_ctx // int4_gemm.TILE) * int4_gemm.TILE
+        n_pad = -(-n_ctx // 64) * 64
         per_layer = n_pad * kv_dim // 32 * cls.block_bytes + kv_dim * (min(N_SINK, n_ctx) * 2 + 4)
         return n_layers * batch * per_layer
 
@@ -209,7 +207,7 @@ class HadamardQ4Store(Store):
         if not self.gemm(p):
             return super().weighted_sum(layer, p, start, end)
         if self._unit is None:
-            self._unit = torch.zeros(self.n_pad // 32, 64, 2, dtype=torch.bfloat16)
+            self._unit = torch.zeros(self.n_pad // 32, 64, 2, dtype=torch.bfloat16, device=p.device)
             self._unit[..., 0] = 1
         sinks = self._sinks(layer, start, end)
         m = sinks.shape[2]
