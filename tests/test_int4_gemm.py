@@ -1,11 +1,10 @@
 """q4_hadamard's CPU decode products through torch's int4 GEMM (kvcli/cache/int4_gemm.py) against
-the dequantize-then-matmul reference; the real-model check is in test_block_products.py."""
+the dequantize-then-matmul reference; whole decode attention and the real-model check are in
+test_block_products.py, with the q4_0 path's."""
 
 import pytest
 import torch
 
-import kvcli.attention as attention
-from kvcli.attention import attend_reference
 from kvcli.cache import KVCache, block_products, int4_gemm
 
 BF16 = 2.0**-8  # bf16's relative precision: the GEMM's inputs and outputs are rounded to it
@@ -20,13 +19,6 @@ def _cache(kind_k, kind_v, B, Hkv, D, n, seed=0):
     for pos in (n - 2, n - 1):  # decode writes: one nibble per byte
         cache.store(0, k[:, pos : pos + 1], v[:, pos : pos + 1], pos)
     return cache
-
-
-def _exact(monkeypatch, fn):
-    """fn() with the byte-reading paths off: dequantize, then f32 matmuls."""
-    with monkeypatch.context() as m:
-        m.setattr(block_products, "MAX_ROWS", 0)
-        return fn()
 
 
 def test_torch_layout_is_ours():
@@ -64,25 +56,6 @@ def test_one_hot_weights_read_back_each_vector():
     out = cache.v.weighted_sum(0, p, 0, n)
     ref = cache.v.load(0, 0, n)[:, :, picked]
     torch.testing.assert_close(out, ref, rtol=BF16, atol=BF16 * ref.abs().max().item())
-
-
-@pytest.mark.parametrize("kinds", [("q4_hadamard", "q4_hadamard"), ("q4_hadamard", "f16"), ("q8_0", "q4_hadamard")])
-@pytest.mark.parametrize("H,Hkv", [(6, 2), (4, 4)])  # GQA and MHA
-@pytest.mark.parametrize("flash", [True, False])
-def test_decode_attention_matches_the_reference(kinds, H, Hkv, flash, monkeypatch):
-    """Whole decode attention (1 and 3 new tokens) in 16-position chunks (not tile-aligned), online
-    softmax and -fa off, against the dequantizing reference."""
-    monkeypatch.setattr(attention, "MIN_CHUNK", 16)
-    monkeypatch.setattr(attention, "CHUNK_BYTES", 16 * 4 * 2 * Hkv * 64)
-    B, D, n = 2, 64, 83
-    cache = _cache(*kinds, B, Hkv, D, n, seed=H)
-    cache.flash_attn = flash
-    g = torch.Generator().manual_seed(2)
-    for T in (1, 3):
-        q = torch.randn(B, T, H, D, generator=g)
-        out = attend_reference(q, cache, 0, n - T, flash=flash)
-        ref = _exact(monkeypatch, lambda: attend_reference(q, cache, 0, n - T, flash=flash))
-        torch.testing.assert_close(out, ref, rtol=0, atol=4 * BF16 * ref.abs().max().item())
 
 
 def test_path_choice():
