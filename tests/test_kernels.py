@@ -146,6 +146,7 @@ def test_attention_every_type(kind):
     (("q4_0", "q8_0"), 2, 2, 2, 32, 17),  # mixed K/V types
     (("q4_hadamard", "f16"), 1, 4, 1, 128, 100),  # G = 4 with one KV head, past the sinks
     (("q8_0", "q4_hadamard"), 1, 6, 2, 128, 100),  # G = 3: rows padded to a power of two
+    (("q4_hadamard", "q4_hadamard"), 2, 2, 2, 32, 70),  # 32-element value tiles, a second key tile
 ])
 def test_attention_shapes(kinds, B, H, Hkv, D, n):
     cache = _filled_cache(*kinds, B, Hkv, D, n, seed=n)
