@@ -13,8 +13,9 @@ W[64 tile + j + 32, k] (high). q4_hadamard stores its codes in exactly that layo
 Inputs and outputs are bf16, sums f32: a score or an output element is good to 2^-8 of itself
 (llama.cpp rounds q to q8_0 for quantized keys and sums f16 values in f16). On SmolLM2 the
 decode logits differ from the exact dequantizing path by KL 6e-4 to 1e-3, against the type's
-own 0.016 from f16. Measured at depth 4096 (benchmarks/cache_decode.py): q4_hadamard decodes
-at 0.95x kvcli's f16 speed, against 0.54x with the int8 path of block_products.py. The layout
+own 0.016 from f16. Measured at depth 4096 (benchmarks/cache_decode.py, two runs): q4_hadamard
+decodes at 0.83x and 0.95x kvcli's f16 speed, against 0.54x with the int8 path that
+block_products.py keeps for q4_0 (q4_0 itself: 0.58x and 0.68x in the same runs). The layout
 is private to torch, so `available()` checks it once against ours; where it differs or the op
 is missing, the store dequantizes instead.
 """
