@@ -251,15 +251,19 @@ def _store_dense_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, sdb, sdh, sdn, pos, T, H,
         tl.store(dst_ptr + row + e, x.to(dst_ptr.dtype.element_ty), mask=e < D)
 
 
+def _unit_stride_f32(x: torch.Tensor) -> torch.Tensor:
+    """x as f32 with unit stride along the head dimension (the kernels index it so)."""
+    x = x.float()
+    return x if x.stride(-1) == 1 else x.contiguous()
+
+
 def quantize_into(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
     """x (B, T, Hkv, D) f32 -> rows pos..pos+T-1 of dst (B, Hkv, n_ctx, row_bytes or D), in place.
 
-    dst is a store's `data[layer]`; for q4_hadamard x is the rotated, offset-subtracted vector.
+    dst is a store's `data[layer]` of a dense or ggml block type.
     """
     B, T, H, D = x.shape
-    x = x.float()
-    if x.stride(-1) != 1:
-        x = x.contiguous()
+    x = _unit_stride_f32(x)
     assert dst.stride(-1) == 1 and dst.shape[0] == B and dst.shape[1] == H and pos + T <= dst.shape[2]
     grid = (B * T * H,)
     if kind in ("f32", "f16", "bf16"):
@@ -269,7 +273,7 @@ def quantize_into(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> No
     assert kind != "q4_hadamard", "q4_hadamard writes codes and scales: quantize_codes"
     nb, bb = D // 32, _BLOCK_BYTES[kind]
     assert D % 32 == 0 and dst.shape[-1] == nb * bb and dst.stride(2) % 2 == 0
-    tab = _table("iq4_nl" if kind == "iq4_nl" else "grid", x.device)
+    tab = _table("iq4_nl", x.device)  # read by iq4_nl only
     # a fp16 view of the same bytes: every fp16 field sits at an even byte offset (block bytes are even)
     dst16 = dst.view(torch.float16)
     _quantize_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), dst, dst16, *dst.stride()[:3], tab, pos, T, H,
@@ -281,9 +285,7 @@ def quantize_codes(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """q4_hadamard's scale search: y (B, T, H, D) f32 -> codes (B, T, H, D) uint8 (0..15) and scales
     (B, T, H, D / 32) f32 (bf16 values); the store lays them out (HadamardQ4Store.put)."""
     B, T, H, D = y.shape
-    y = y.float()
-    if y.stride(-1) != 1:
-        y = y.contiguous()
+    y = _unit_stride_f32(y)
     nb = D // 32
     codes = torch.empty(B, H, T, D, dtype=torch.uint8, device=y.device)
     scales = torch.empty(B, H, T, nb, dtype=torch.float32, device=y.device)

@@ -72,6 +72,11 @@ def quantize_vectors(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return u.view(B, T, H, D), d.view(B, T, H, D // 32)
 
 
+def _whole_tiles(n: int) -> int:
+    """n positions rounded up to whole 64-position tiles."""
+    return -(-n // 64) * 64
+
+
 class HadamardQ4Store(Store):
     """Rotated, offset vectors as 4-bit codes in int4 GEMM tiles (keys and values differ), bf16 scales."""
 
@@ -81,7 +86,7 @@ class HadamardQ4Store(Store):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
-        self.n_pad = -(-n // 64) * 64
+        self.n_pad = _whole_tiles(n)
         self.width = min(64, D)  # W: elements per value tile
         shape = (self.n_pad // 64, D, 32) if self.keys else (D // self.width, self.n_pad, self.width // 2)
         self.data = torch.zeros(L, B, H, *shape, dtype=torch.uint8, device=self.device)
@@ -94,8 +99,7 @@ class HadamardQ4Store(Store):
 
     @classmethod
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
-        n_pad = -(-n_ctx // 64) * 64
-        per_layer = n_pad * kv_dim // 32 * cls.block_bytes + kv_dim * (min(N_SINK, n_ctx) * 2 + 4)
+        per_layer = _whole_tiles(n_ctx) * kv_dim // 32 * cls.block_bytes + kv_dim * (min(N_SINK, n_ctx) * 2 + 4)
         return n_layers * batch * per_layer
 
     def nbytes(self) -> int:
@@ -154,7 +158,7 @@ class HadamardQ4Store(Store):
         elif self.keys:  # rewrite the touched tiles
             t0, t1 = pos // 64, -(-(pos + T) // 64)
             tiles = self.data[layer, :, :, t0:t1]  # (B, H, nt, D, 32)
-            codes = int4_gemm.unpack_pairs(tiles).transpose(-1, -2).reshape(B, H, -1, D)  # (B, H, 64 nt, D)
+            codes = self._tile_codes(tiles)
             codes[:, :, pos - 64 * t0 : pos - 64 * t0 + T] = u.transpose(1, 2)
             tiles.copy_(int4_gemm.pack_pairs(codes.view(B, H, t1 - t0, 64, D).transpose(-1, -2)))
         else:
@@ -163,13 +167,16 @@ class HadamardQ4Store(Store):
             self.data[layer, :, :, :, pos : pos + T] = (u[..., : W // 2] | u[..., W // 2 :] << 4).permute(0, 2, 3, 1, 4)
 
     # ---- reading ----
+    def _tile_codes(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Key tiles (B, H, nt, D, 32) -> the codes of their 64 nt positions (B, H, 64 nt, D) uint8."""
+        return int4_gemm.unpack_pairs(tiles).transpose(-1, -2).reshape(self.batch, self.n_heads, -1, self.head_dim)
+
     def codes(self, layer: int, start: int, end: int) -> torch.Tensor:
         """The codes of positions start..end-1 as (B, H, end - start, D) uint8."""
         B, H, D = self.batch, self.n_heads, self.head_dim
         if self.keys:
             t0, t1 = start // 64, -(-end // 64)
-            u = int4_gemm.unpack_pairs(self.data[layer, :, :, t0:t1]).transpose(-1, -2).reshape(B, H, -1, D)
-            return u[:, :, start - 64 * t0 : end - 64 * t0]
+            return self._tile_codes(self.data[layer, :, :, t0:t1])[:, :, start - 64 * t0 : end - 64 * t0]
         W = self.width
         planes = self.data[layer, :, :, :, start:end]  # (B, H, D / W, n, W / 2)
         u = torch.cat([planes & 15, planes >> 4], -1)  # (B, H, D / W, n, W)

@@ -72,7 +72,7 @@ def scores(q: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, start: int
     t0, t1 = start // TILE, -(-end // TILE)
     n = (t1 - t0) * TILE
     s = scale[..., t0 * TILE : t1 * TILE]
-    sz = torch.stack([s, torch.zeros_like(s)], -1)  # (B, H, nb, n, 2): scale, zero point 0
+    sz = torch.stack([s, s.new_zeros(()).expand_as(s)], -1)  # (B, H, nb, n, 2): scale, zero point 0
     qb = q.to(torch.bfloat16)
     out = torch.stack([_mm(qb[b, h], tiles[b, h, t0:t1].view(n, D // 2), sz[b, h])
                        for b in range(B) for h in range(H)])  # (B * H, R, n)
