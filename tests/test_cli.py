@@ -9,13 +9,6 @@ from cli_checks import assert_clean_error, run, runner
 from tiny import write_gguf
 
 
-
-
-
-
-
-
-
 def test_greedy_run_is_deterministic(tiny):
     a = run("-m", tiny, "-p", "the the", "-n", 12, "--temp", 0, "-c", 64, "--dtype", "f32")
     b = run("-m", tiny, "-p", "the the", "-n", 12, "--temp", 0, "-c", 64, "--dtype", "f32")

@@ -35,12 +35,6 @@ ROOT = Path(__file__).resolve().parents[1]
 MIB = 1 << 20
 
 
-
-
-
-
-
-
 # --- the scan agrees with gguf-py ------------------------------------------------------------------
 
 def _assert_same_as_gguf_reader(path):
