@@ -20,8 +20,8 @@ H, HKV, D = 32, 8, 128
 
 
 def check(types) -> bool:
-    from kernels.attention import attend_kernel, attend_reference
-    from kernels.quantize import quantize_codes, quantize_codes_reference, quantize_into, quantize_reference
+    from kvcli.kernels.attention import attend_kernel, attend_reference
+    from kvcli.kernels.quantize import quantize_codes, quantize_codes_reference, quantize_into, quantize_reference
     from kvcli.cache import KVCache
 
     ok = True
@@ -67,7 +67,7 @@ def timed(fn, reps: int = 50) -> float:
 
 
 def bench(types, depths) -> None:
-    from kernels.attention import attend_kernel
+    from kvcli.kernels.attention import attend_kernel
     from kvcli.attention import attend_reference
     from kvcli.cache import KVCache
 

@@ -23,7 +23,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from convert.mha import gqa_to_mha  # noqa: E402
+from kvcli.convert.mha import gqa_to_mha  # noqa: E402
 from kvcli.cache import KVCache, make_cache  # noqa: E402
 from kvcli.cache.hidden import HiddenCache  # noqa: E402
 from kvcli.llama import Llama  # noqa: E402

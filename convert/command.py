@@ -15,7 +15,7 @@ def convert_command(
 ):
     """Convert a Hugging Face Llama/Mistral checkpoint to a llama.cpp-compatible GGUF file."""
     # imported here: kvcli.cli may import this module while it is itself being imported
-    from convert.hf_to_gguf import convert_hf
+    from kvcli.convert.hf_to_gguf import convert_hf
     from kvcli.cli import log, user_errors
 
     with user_errors():

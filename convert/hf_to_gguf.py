@@ -21,7 +21,7 @@ from typing import Any, Callable
 
 import numpy as np
 
-from convert.vocab import add_vocab, read_json
+from kvcli.convert.vocab import add_vocab, read_json
 from kvcli.errors import KvcliError
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")

@@ -7,7 +7,7 @@ ggml blocks (blocks run along ne0 = n_embd), so quantized tensors are repeated b
 and keep their type; every other tensor and all metadata (tokenizer included) are copied.
 The K rows' per-head RoPE permutation (llama.cpp's converter) moves with its head.
 
-    python -m convert.mha models/SmolLM2-135M-Instruct.Q4_1.gguf models/SmolLM2-135M-MHA.Q4_1.gguf
+    python3 -m kvcli.convert.mha models/SmolLM2-135M-Instruct.Q4_1.gguf models/SmolLM2-135M-MHA.Q4_1.gguf
 """
 
 from __future__ import annotations
@@ -76,5 +76,5 @@ def gqa_to_mha(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
 
 if __name__ == "__main__":  # pragma: no cover
     if len(sys.argv) != 3:
-        sys.exit("usage: python -m convert.mha SRC.gguf DST.gguf")
+        sys.exit("usage: python3 -m kvcli.convert.mha SRC.gguf DST.gguf")
     print(gqa_to_mha(sys.argv[1], sys.argv[2]))

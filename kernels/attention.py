@@ -23,7 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quantize import KINDS, _table
+from kvcli.kernels.quantize import KINDS, _table
 from kvcli.attention import attend_reference as _library_reference
 
 LOG2E = 1.4426950408889634

@@ -20,7 +20,7 @@ def _attend(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> torch.Ten
 
     -fa off asks for materialized scores: that is the reference's path, on any device.
     """
-    from kernels.attention import attend_kernel, supported
+    from kvcli.kernels.attention import attend_kernel, supported
 
     if not cache.flash_attn or not supported(cache, q):
         return None

@@ -18,7 +18,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.attention import LOG2E, _split_reduce_kernel
+from kvcli.kernels.attention import LOG2E, _split_reduce_kernel
 
 DENSE = ("f32", "f16", "bf16")
 

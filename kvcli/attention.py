@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from kernels import use_triton
+from kvcli.kernels import use_triton
 
 # f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
 CHUNK_BYTES = 8 * 1024 * 1024
@@ -28,7 +28,7 @@ MIN_CHUNK = 256
 def attend(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
     """q (B, T, H, D) f32 at positions pos..pos+T-1 -> (B, T, H * D) f32."""
     if use_triton(q):  # Triton kernels; imported here so CPU users never import triton
-        from kernels.dispatch import attend_cuda
+        from kvcli.kernels.dispatch import attend_cuda
 
         out = attend_cuda(q, cache, layer, pos)
         if out is not None:

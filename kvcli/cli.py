@@ -147,7 +147,7 @@ def run(
     raise typer.Exit(code)
 
 
-from convert.command import convert_command  # noqa: E402  (imports torch lazily)
+from kvcli.convert.command import convert_command  # noqa: E402  (imports torch lazily)
 from kvcli.perplexity import perplexity_command  # noqa: E402  (imports torch lazily)
 
 app.command("convert", help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)

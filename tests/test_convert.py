@@ -12,9 +12,9 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from convert import convert_hf
-from convert.command import convert_command
-from convert.hf_to_gguf import permute_qk
+from kvcli.convert import convert_hf
+from kvcli.convert.command import convert_command
+from kvcli.convert.hf_to_gguf import permute_qk
 from kvcli.errors import KvcliError
 from kvcli.llama import Llama
 from tiny import llama_permute, make_hf_model
@@ -246,7 +246,7 @@ class Boom(Exception):
 
 @pytest.mark.parametrize("existing", [False, True], ids=["fresh", "force-over-existing"])
 def test_interrupted_convert_leaves_no_output_and_no_temp(small_dir, tmp_path, monkeypatch, existing):
-    import convert.hf_to_gguf as hf_to_gguf
+    import kvcli.convert.hf_to_gguf as hf_to_gguf
 
     real, calls = hf_to_gguf._encode, []
 
@@ -379,7 +379,7 @@ def test_library_errors_are_kvcli_errors(small_dir, tmp_path):
 
 def test_out_type_rules():
     """llama.cpp's choices: 1-D stays F32; a row length the block does not divide falls back to F16."""
-    from convert.hf_to_gguf import _out_type
+    from kvcli.convert.hf_to_gguf import _out_type
 
     class H:
         tied = False

@@ -158,7 +158,7 @@ def test_triton_kernel_equals_reference(models, kind, type_h, dtype, tol):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
-    from kernels.hidden import attend_hidden_kernel, attend_reference, supported
+    from kvcli.kernels.hidden import attend_hidden_kernel, attend_reference, supported
 
     llm = _llm(models[kind], ctx_size=48, cache_mode="hidden", cache_type_h=type_h, dtype=dtype)
     cache, c = llm.cache, llm.config
@@ -182,7 +182,7 @@ def test_triton_kernel_equals_reference(models, kind, type_h, dtype, tol):
 # ---- GQA -> MHA rewrite ----
 
 def test_mha_rewrite_gives_the_same_logits(models, tmp_path):
-    from convert.mha import gqa_to_mha
+    from kvcli.convert.mha import gqa_to_mha
 
     dst = gqa_to_mha(models["gqa"], tmp_path / "mha.gguf")
     src_r, dst_r = gguf.GGUFReader(models["gqa"]), gguf.GGUFReader(dst)
@@ -197,7 +197,7 @@ def test_mha_rewrite_gives_the_same_logits(models, tmp_path):
 
 def test_mha_rewrite_keeps_quantized_tensors(models, tmp_path):
     """attn_k/attn_v stored as Q8_0 are repeated block-row by block-row, type kept."""
-    from convert.mha import gqa_to_mha
+    from kvcli.convert.mha import gqa_to_mha
 
     hf = make_hf_model(n_heads=4, n_kv_heads=2, hidden=128, seed=2)
     sd = {k: v.detach().float().numpy() for k, v in hf.state_dict().items()}

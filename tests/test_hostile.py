@@ -523,7 +523,7 @@ def _assert_no_partial_output(d: Path, out: Path, before: bytes | None) -> None:
 
 
 def test_sigkilled_convert_leaves_no_output_and_the_next_cleans_up(hf_dir, tmp_path):
-    from convert import convert_hf
+    from kvcli.convert import convert_hf
 
     out = tmp_path / "m.gguf"
     _kill_convert(hf_dir, out, None)
@@ -545,7 +545,7 @@ def test_sigkilled_force_convert_keeps_the_old_file(hf_dir, tmp_path):
 
 
 def test_stale_temp_of_a_live_process_is_kept(tmp_path):
-    from convert.hf_to_gguf import remove_stale_temps
+    from kvcli.convert.hf_to_gguf import remove_stale_temps
 
     live = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
@@ -571,7 +571,7 @@ def test_sigkill_at_random_points(hf_dir, tmp_path):
         before = out.read_bytes() if out.exists() else None
         _kill_convert(hf_dir, out, float(rng.uniform(0, 0.6)), *(["--force"] if before else []))
         _assert_no_partial_output(tmp_path, out, before)
-    from convert.hf_to_gguf import remove_stale_temps
+    from kvcli.convert.hf_to_gguf import remove_stale_temps
 
     remove_stale_temps(tmp_path, log=lambda line: None)
     assert _temps(tmp_path) == []

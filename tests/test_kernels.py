@@ -16,9 +16,9 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
 
-from kernels.attention import attend_kernel, attend_reference  # noqa: E402
-from kernels.dispatch import _attend, attend_cuda  # noqa: E402
-from kernels.quantize import quantize_codes, quantize_codes_reference, quantize_into, quantize_reference  # noqa: E402
+from kvcli.kernels.attention import attend_kernel, attend_reference  # noqa: E402
+from kvcli.kernels.dispatch import _attend, attend_cuda  # noqa: E402
+from kvcli.kernels.quantize import quantize_codes, quantize_codes_reference, quantize_into, quantize_reference  # noqa: E402
 from kvcli.attention import attend  # noqa: E402
 from kvcli.cache import KVCache, block_products  # noqa: E402
 from kvcli.cache.base import STORAGE_TYPES  # noqa: E402

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_triton
+from kvcli.kernels import use_triton
 from kvcli.cache.base import Store
 
 
@@ -21,7 +21,7 @@ class DenseStore(Store):
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
         if use_triton(x):  # Triton write kernel (kernels/quantize.py); triton is imported only here
-            from kernels.quantize import quantize_into
+            from kvcli.kernels.quantize import quantize_into
 
             quantize_into(self.name, x, self.data[layer], pos)
             return

@@ -14,7 +14,7 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kernels import use_triton
+from kvcli.kernels import use_triton
 from kvcli.cache import block_products
 from kvcli.cache.base import Store
 
@@ -177,7 +177,7 @@ class GgmlBlockStore(Store):
     def write(self, layer: int, x: torch.Tensor, pos: int) -> None:
         """Quantize x (B, T, Hkv, D) f32 into positions pos..pos+T-1."""
         if use_triton(x):  # Triton quantize-on-write (kernels/quantize.py), byte-equal to quantize_blocks
-            from kernels.quantize import quantize_into
+            from kvcli.kernels.quantize import quantize_into
 
             quantize_into(self.name, x, self.data[layer], pos)
             return

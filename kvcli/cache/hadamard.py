@@ -26,7 +26,7 @@ import math
 
 import torch
 
-from kernels import use_triton
+from kvcli.kernels import use_triton
 from kvcli.cache import block_products, int4_gemm
 from kvcli.cache.base import Store
 from kvcli.errors import KvcliError
@@ -132,7 +132,7 @@ class HadamardQ4Store(Store):
     def quantize(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """quantize_vectors, through its Triton kernel (kernels/quantize.py) on CUDA."""
         if use_triton(y):
-            from kernels.quantize import quantize_codes
+            from kvcli.kernels.quantize import quantize_codes
 
             return quantize_codes(y)
         return quantize_vectors(y)

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels import use_triton
+from kvcli.kernels import use_triton
 from kvcli.cache.base import KVCache, Store, resolve_type
 from kvcli.errors import KvcliError
 
@@ -114,7 +114,7 @@ class HiddenCache:
         self.h.store(layer, x.float().reshape(B, T, self.h.n_heads, self.h.head_dim), pos)
         self._pair_key = None  # the stored contents changed
         if use_triton(q):  # Triton decode kernel; imported here so CPU users never import triton
-            from kernels.hidden import attend_hidden_cuda
+            from kvcli.kernels.hidden import attend_hidden_cuda
 
             out = attend_hidden_cuda(q, self, layer, pos)
             if out is not None:
