@@ -171,7 +171,7 @@ def info(model: Optional[Path] = ModelOpt,
          dtype: str = typer.Option("f16", "--dtype", help="Compute dtype the weight bytes are given for.")):
     """Model metadata, weight types and bytes, and the cache bytes per token of every cache choice."""
     with user_errors():
-        from kvcli.fit import bits_per_element, cache_bytes, choices, weight_bytes
+        from kvcli.fit import cache_bytes, choices, weight_bytes
         from kvcli.gguf_file import open_gguf
 
         g = open_gguf(resolve_model(model))
@@ -184,7 +184,7 @@ def info(model: Optional[Path] = ModelOpt,
         types = ", ".join(f"{n} x {t}" for t, n in sorted(g.weight_types().items()))
         out.print(f"weights: {types}; {g.weight_bytes() / 2**20:.2f} MiB in the file, "
                   f"{weight_bytes(g, dtype) / 2**20:.2f} MiB in memory at --dtype {dtype}")
-        rows = [[ch.label, f"{bits_per_element(ch):.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
+        rows = [[ch.label, f"{ch.bits_per_element():.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
                  f"{cache_bytes(c, ch, 32768) / 2**20:,.1f}"] for ch in choices()]
         out.print(_rich_table("cache bytes per token", ["cache", "bits", "bytes/token", "MiB @ 32k"], rows))
 

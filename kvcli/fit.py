@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import json
 import math
-from dataclasses import dataclass
 from pathlib import Path
 
+from kvcli.cache import CacheSpec, cache_bytes
 from kvcli.errors import KvcliError
 from kvcli.memory import WORKING_BYTES
 
@@ -29,51 +29,23 @@ def parse_bytes(text: str) -> int:
     return int(value * UNITS[unit])
 
 
-@dataclass(frozen=True)
-class Choice:
-    mode: str  # kv | hidden
-    type_k: str = "f16"
-    type_v: str = "f16"
-    type_h: str = "f16"
-
-    @property
-    def label(self) -> str:
-        return f"hidden {self.type_h}" if self.mode == "hidden" else f"kv {self.type_k}/{self.type_v}"
-
-    def sweep_key(self) -> tuple[str, str]:
-        return (self.type_k, self.type_v)
-
-
-def choices() -> list[Choice]:
+def choices() -> list[CacheSpec]:
     """Every KV type as a K=V pair, llama.cpp's mixed favourites, and every hidden-state type."""
     from kvcli.cache import STORAGE_TYPES
 
     types = list(STORAGE_TYPES)
-    kv = [Choice("kv", t, t) for t in types] + [Choice("kv", "q8_0", "q4_hadamard"), Choice("kv", "q4_hadamard", "f16")]
-    return kv + [Choice("hidden", type_h=t) for t in types]
+    kv = [CacheSpec("kv", t, t) for t in types] + [CacheSpec("kv", "q8_0", "q4_hadamard"),
+                                                   CacheSpec("kv", "q4_hadamard", "f16")]
+    return kv + [CacheSpec("hidden", type_h=t) for t in types]
 
 
-def cache_bytes(config, choice: Choice, n_ctx: int, n_seq: int = 1) -> int:
-    from kvcli.cache.hidden import cache_bytes as planned
-
-    return planned(config, n_seq, n_ctx, choice.mode, choice.type_k, choice.type_v, choice.type_h)
-
-
-def bits_per_element(choice: Choice) -> float:
-    from kvcli.cache import resolve_type
-
-    if choice.mode == "hidden":
-        return resolve_type(choice.type_h).bits_per_element()
-    return (resolve_type(choice.type_k).bits_per_element() + resolve_type(choice.type_v).bits_per_element()) / 2
-
-
-def largest_context(config, choice: Choice, room: int) -> int:
+def largest_context(config, spec: CacheSpec, room: int) -> int:
     """The most tokens n with cache_bytes(n) <= room (bytes are affine in n past a few sink cells)."""
     if room <= 0:
         return 0
-    per_token = (cache_bytes(config, choice, 2048) - cache_bytes(config, choice, 1024)) / 1024
-    n = max(0, int((room - (cache_bytes(config, choice, 1024) - 1024 * per_token)) // per_token))
-    while n > 0 and cache_bytes(config, choice, n) > room:  # guard the rounding
+    per_token = (cache_bytes(config, spec, 2048) - cache_bytes(config, spec, 1024)) / 1024
+    n = max(0, int((room - (cache_bytes(config, spec, 1024) - 1024 * per_token)) // per_token))
+    while n > 0 and cache_bytes(config, spec, n) > room:  # guard the rounding
         n -= 1
     return n
 
@@ -102,10 +74,10 @@ def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict)
     rows = []
     for ch in choices():
         n = largest_context(config, ch, room)
-        kld = sweep.get(ch.sweep_key(), {}).get("kld") if ch.mode == "kv" else None
+        kld = sweep.get((ch.type_k, ch.type_v), {}).get("kld") if ch.mode == "kv" else None
         rows.append({"choice": ch.label, "mode": ch.mode, "type_k": ch.type_k if ch.mode == "kv" else None,
                      "type_v": ch.type_v if ch.mode == "kv" else None, "type_h": ch.type_h if ch.mode == "hidden" else None,
-                     "bits": bits_per_element(ch), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
+                     "bits": ch.bits_per_element(), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
                      "max_ctx": n, "kld": kld})
     reach = [r for r in rows if r["max_ctx"] >= ctx_wanted]
     if not reach:

@@ -14,7 +14,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from kvcli.cache import cache_bytes as plan_cache_bytes, make_cache, resolve_cache_mode
+from kvcli.cache import CacheSpec, cache_bytes as plan_cache_bytes, make_cache
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
@@ -49,8 +49,10 @@ class Llama:
         self.log = log or (lambda line: None)
 
         # kv, hidden or auto -> kv / hidden (auto: hidden only where smaller than K+V at these types)
-        self.cache_mode = resolve_cache_mode(c, self.n_ctx, cache_mode, cache_type_k, cache_type_v, cache_type_h)
-        cache_bytes = plan_cache_bytes(c, n_seq, self.n_ctx, self.cache_mode, cache_type_k, cache_type_v, cache_type_h)
+        self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h).resolved(c, self.n_ctx)
+        self.cache_mode = self.cache_spec.mode
+        self.flash_attn = flash_attn
+        cache_bytes = plan_cache_bytes(c, self.cache_spec, self.n_ctx, n_seq)
         untied = not self.synthetic and "output.weight" in self.gguf.tensors
         if device == "cpu":
             check_fits(weight_bytes(c, dtype, untied), cache_bytes, what=f"a {self.n_ctx}-token context",
@@ -68,8 +70,7 @@ class Llama:
         self.device = device
         self.model = Transformer(c, weights, compute, self.n_ctx).to(device)
         del weights
-        self.cache = make_cache(c, n_seq, self.n_ctx, self.cache_mode, cache_type_k, cache_type_v, cache_type_h,
-                                device=device, flash_attn=flash_attn, model=self.model)
+        self.cache = self.new_cache(self.cache_spec)
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
@@ -99,8 +100,16 @@ class Llama:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
             raise KvcliError(f"token id out of range 0..{self.config.vocab_size - 1}")
 
-    def logits(self, ids: Sequence[int] | torch.Tensor) -> torch.Tensor:
-        """Fresh cache, prefill `ids` (T,) or (B, T) in batches; all logits (T, V) or (B, T, V) f32."""
+    def new_cache(self, spec: CacheSpec):
+        """A cache of another choice, shaped and built as this run's own (sequences, context,
+        device, attention): `logits(ids, cache=...)` runs through it with the same weights."""
+        return make_cache(self.config, spec, self.n_ctx, self.n_seq, device=self.device, flash_attn=self.flash_attn,
+                          model=self.model)
+
+    def logits(self, ids: Sequence[int] | torch.Tensor, cache=None) -> torch.Tensor:
+        """Fresh cache, prefill `ids` (T,) or (B, T) in batches; all logits (T, V) or (B, T, V) f32.
+        cache: one from `new_cache` to run through instead of the model's own."""
+        cache = self.cache if cache is None else cache
         tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device)
         single = tokens.dim() == 1
         tokens = tokens[None] if single else tokens
@@ -112,9 +121,10 @@ class Llama:
         n = tokens.shape[0]
         if n < self.n_seq:  # fill the cache's other sequences with copies; their logits are dropped
             tokens = torch.cat([tokens, tokens[-1:].expand(self.n_seq - n, -1)])
-        out = [self.model(tokens[:, i : i + self.batch_size], self.cache, i)
+        out = [self.model(tokens[:, i : i + self.batch_size], cache, i)
                for i in range(0, tokens.shape[1], self.batch_size)]
-        self.n_past = 0
+        if cache is self.cache:
+            self.n_past = 0
         logits = torch.cat(out, dim=1)[:n]
         return logits[0] if single else logits
 

@@ -7,7 +7,8 @@ import pytest
 from kvcli.bench import combinations, run_bench, to_csv, to_json, to_markdown
 from kvcli.config import ModelConfig
 from kvcli.errors import KvcliError
-from kvcli.fit import Choice, cache_bytes, choices, fit_table, largest_context, parse_bytes
+from kvcli.cache import CacheSpec
+from kvcli.fit import cache_bytes, choices, fit_table, largest_context, parse_bytes
 from kvcli.memory import WORKING_BYTES
 
 SMOL = ModelConfig(arch="llama", n_layers=30, n_embd=576, n_ff=1536, n_heads=9, n_kv_heads=3, head_dim=64,
@@ -34,9 +35,9 @@ def test_parse_bytes_rejects_nonsense():
 
 def test_cache_bytes_follow_the_formula():
     L, kv, E = SMOL.n_layers, SMOL.kv_dim, SMOL.n_embd
-    assert cache_bytes(SMOL, Choice("kv", "f16", "f16"), 4096) == 2 * L * 4096 * kv * 2
-    assert cache_bytes(SMOL, Choice("kv", "q4_0", "q8_0"), 4096) == L * 4096 * kv * (18 + 34) // 32
-    assert cache_bytes(SMOL, Choice("hidden", type_h="q8_0"), 4096) == L * 4096 * E * 34 // 32
+    assert cache_bytes(SMOL, CacheSpec("kv", "f16", "f16"), 4096) == 2 * L * 4096 * kv * 2
+    assert cache_bytes(SMOL, CacheSpec("kv", "q4_0", "q8_0"), 4096) == L * 4096 * kv * (18 + 34) // 32
+    assert cache_bytes(SMOL, CacheSpec("hidden", type_h="q8_0"), 4096) == L * 4096 * E * 34 // 32
 
 
 @pytest.mark.parametrize("choice", choices(), ids=lambda c: c.label)
@@ -48,7 +49,7 @@ def test_largest_context_is_exact(choice):
 
 def test_fit_recommends_most_faithful_that_reaches(tmp_path):
     weights = 270 * 2**20
-    mem = weights + WORKING_BYTES + cache_bytes(SMOL, Choice("kv", "q8_0", "q8_0"), 65536)
+    mem = weights + WORKING_BYTES + cache_bytes(SMOL, CacheSpec("kv", "q8_0", "q8_0"), 65536)
     sweep = {("f16", "f16"): {"kld": 0.0}, ("q8_0", "q8_0"): {"kld": 0.0005}, ("q4_0", "q4_0"): {"kld": 0.14},
              ("q4_hadamard", "q4_hadamard"): {"kld": 0.018}}
     rows, best = fit_table(SMOL, weights, mem, 65536, sweep)

@@ -15,7 +15,7 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcli.cache import HiddenCache, KVCache, STORAGE_TYPES, make_cache, resolve_cache_mode
+from kvcli.cache import CacheSpec, HiddenCache, KVCache, STORAGE_TYPES, make_cache, resolve_cache_mode
 from kvcli.cache.hadamard import N_SINK
 from kvcli.cli import app
 from kvcli.llama import Llama
@@ -73,7 +73,7 @@ def test_lossy_hidden_types_run_and_stay_close(models):
 def test_cache_bytes_are_layers_ctx_embd_bits(models, type_h):
     llm = _llm(models["gqa"], ctx_size=64)
     c = llm.config
-    cache = make_cache(c, 1, 64, "hidden", type_h=type_h, model=llm.model)
+    cache = make_cache(c, CacheSpec("hidden", type_h=type_h), 64, model=llm.model)
     expect = c.n_layers * 64 * c.n_embd * STORAGE_TYPES[type_h].bits_per_element() / 8
     if type_h == "q4_hadamard":  # the f16 sink positions and the f32 offset, per layer
         expect += c.n_layers * c.n_embd * (N_SINK * 2 + 4)

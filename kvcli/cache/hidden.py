@@ -11,8 +11,7 @@ two dividing n_embd, at most HADAMARD_MAX: every ggml block type fits (Ds % 32 =
 q4_hadamard gets a power-of-two rotation as wide as is cheap (rotation cost per token is
 n_embd * Ds; 64 for SmolLM2's 576, 256 for a 4096-wide model).
 
-Also here: the helpers both `run` and `perplexity` use to pick and build a cache
-(`validate_cache_flags`, `resolve_cache_mode`, `cache_bytes`, `make_cache`).
+How a run picks and builds a cache (kv, hidden or auto) is kvcli/cache/spec.py.
 """
 
 from __future__ import annotations
@@ -24,7 +23,6 @@ from kvcli.cache.base import KVCache, Store, resolve_type
 from kvcli.errors import KvcliError
 
 HADAMARD_MAX = 256
-CACHE_MODES = ("kv", "hidden", "auto")
 MIB = 1024 * 1024
 
 
@@ -148,48 +146,3 @@ class HiddenCache:
         if self._cos_sin is None or self._cos_sin[0].device != rot.device:
             self._cos_sin = (rot.real.contiguous().float(), rot.imag.contiguous().float())
         return self._cos_sin
-
-
-# ---- the helpers `run` and `perplexity` share ----
-
-def validate_cache_flags(cache_mode: str, k_given: bool, v_given: bool, h_given: bool) -> None:
-    """KvcliError for a mode/type-flag combination that would be silently ignored."""
-    if cache_mode not in CACHE_MODES:
-        raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {cache_mode!r}")
-    if cache_mode == "hidden" and (k_given or v_given):
-        raise KvcliError("-ctk/-ctv set the K/V cache types, but --cache-mode hidden stores no K/V; "
-                         "use -cth/--cache-type-h for the hidden state's type")
-    if cache_mode == "kv" and h_given:
-        raise KvcliError("-cth/--cache-type-h sets the hidden-state cache type; it needs --cache-mode hidden or auto")
-
-
-def resolve_cache_mode(config, n_ctx: int, cache_mode: str, type_k: str = "f16", type_v: str = "f16",
-                       type_h: str = "f16") -> str:
-    """'kv' or 'hidden'; auto picks hidden only where its bytes are below K+V's at the given types."""
-    if cache_mode == "auto":
-        c = config
-        kv = KVCache.bytes_needed(c.n_layers, 1, c.kv_dim, n_ctx, type_k, type_v)
-        hidden = HiddenCache.bytes_needed(c.n_layers, 1, c.n_embd, n_ctx, type_h)
-        return "hidden" if hidden < kv else "kv"
-    if cache_mode not in ("kv", "hidden"):
-        raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {cache_mode!r}")
-    return cache_mode
-
-
-def cache_bytes(config, n_seq: int, n_ctx: int, cache_mode: str, type_k: str = "f16", type_v: str = "f16",
-                type_h: str = "f16") -> int:
-    """The bytes `make_cache` will allocate (for the memory check before loading weights)."""
-    c = config
-    if resolve_cache_mode(c, n_ctx, cache_mode, type_k, type_v, type_h) == "hidden":
-        return HiddenCache.bytes_needed(c.n_layers, n_seq, c.n_embd, n_ctx, type_h)
-    return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, type_k, type_v)
-
-
-def make_cache(config, n_seq: int, n_ctx: int, cache_mode: str = "kv", type_k: str = "f16", type_v: str = "f16",
-               type_h: str = "f16", device: str = "cpu", flash_attn: bool = True, model=None):
-    """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`)."""
-    c = config
-    if resolve_cache_mode(c, n_ctx, cache_mode, type_k, type_v, type_h) == "hidden":
-        return HiddenCache(c, n_seq, n_ctx, type_h, device=device, flash_attn=flash_attn, model=model)
-    return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, type_k, type_v, device=device,
-                   flash_attn=flash_attn)

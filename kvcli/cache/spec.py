@@ -1,0 +1,88 @@
+"""What cache a run asks for (`CacheSpec`), what it will cost (`cache_bytes`) and how it is
+built (`make_cache`): the one constructor `run`, `perplexity` (and its sweep), `bench`, `fit`
+and the server share, so every command plans and builds a cache the same way."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from kvcli.cache.base import KVCache, resolve_type
+from kvcli.cache.hidden import HiddenCache
+from kvcli.errors import KvcliError
+
+CACHE_MODES = ("kv", "hidden", "auto")
+
+
+@dataclass(frozen=True)
+class CacheSpec:
+    """A cache choice: mode kv (K and V of type_k / type_v), hidden (each layer's normed input
+    as type_h) or auto (hidden only where it is smaller than K+V at these types)."""
+
+    mode: str = "kv"
+    type_k: str = "f16"
+    type_v: str = "f16"
+    type_h: str = "f16"
+
+    def __post_init__(self):
+        if self.mode not in CACHE_MODES:
+            raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {self.mode!r}")
+        # canonical names (aliases such as q4 resolved); unknown names fail here, before any loading
+        for field in ("type_k", "type_v", "type_h"):
+            object.__setattr__(self, field, resolve_type(getattr(self, field)).name)
+
+    @property
+    def label(self) -> str:
+        if self.mode == "hidden":
+            return f"hidden {self.type_h}"
+        return f"kv {self.type_k}/{self.type_v}" if self.mode == "kv" else f"auto {self.type_k}/{self.type_v}/{self.type_h}"
+
+    def bits_per_element(self) -> float:
+        """Bits per cached element (hidden: of x; kv: the mean of K's and V's)."""
+        if self.mode == "hidden":
+            return resolve_type(self.type_h).bits_per_element()
+        return (resolve_type(self.type_k).bits_per_element() + resolve_type(self.type_v).bits_per_element()) / 2
+
+    def resolved(self, config, n_ctx: int) -> "CacheSpec":
+        """auto -> kv or hidden for this model and context."""
+        if self.mode != "auto":
+            return self
+        c = self
+        kv = KVCache.bytes_needed(config.n_layers, 1, config.kv_dim, n_ctx, c.type_k, c.type_v)
+        hidden = HiddenCache.bytes_needed(config.n_layers, 1, config.n_embd, n_ctx, c.type_h)
+        return CacheSpec("hidden" if hidden < kv else "kv", c.type_k, c.type_v, c.type_h)
+
+
+def validate_cache_flags(cache_mode: str, k_given: bool, v_given: bool, h_given: bool) -> None:
+    """KvcliError for a mode/type-flag combination that would be silently ignored."""
+    if cache_mode not in CACHE_MODES:
+        raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {cache_mode!r}")
+    if cache_mode == "hidden" and (k_given or v_given):
+        raise KvcliError("-ctk/-ctv set the K/V cache types, but --cache-mode hidden stores no K/V; "
+                         "use -cth/--cache-type-h for the hidden state's type")
+    if cache_mode == "kv" and h_given:
+        raise KvcliError("-cth/--cache-type-h sets the hidden-state cache type; it needs --cache-mode hidden or auto")
+
+
+def resolve_cache_mode(config, n_ctx: int, cache_mode: str, type_k: str = "f16", type_v: str = "f16",
+                       type_h: str = "f16") -> str:
+    """'kv' or 'hidden'; auto picks hidden only where its bytes are below K+V's at the given types."""
+    return CacheSpec(cache_mode, type_k, type_v, type_h).resolved(config, n_ctx).mode
+
+
+def cache_bytes(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1) -> int:
+    """The bytes `make_cache(config, spec, n_ctx, n_seq)` allocates: the memory plan, `kvcli fit`,
+    `kvcli info`, the sweep's table and the printed size all come from here."""
+    c, s = config, spec.resolved(config, n_ctx)
+    if s.mode == "hidden":
+        return HiddenCache.bytes_needed(c.n_layers, n_seq, c.n_embd, n_ctx, s.type_h)
+    return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v)
+
+
+def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str = "cpu", flash_attn: bool = True,
+               model=None):
+    """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`)."""
+    c, s = config, spec.resolved(config, n_ctx)
+    if s.mode == "hidden":
+        return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, flash_attn=flash_attn, model=model)
+    return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
+                   flash_attn=flash_attn)
