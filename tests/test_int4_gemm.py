@@ -22,22 +22,31 @@ def _cache(kind_k, kind_v, B, Hkv, D, n, seed=0):
 
 
 def test_torch_layout_is_ours():
-    """This torch packs and multiplies as int4_gemm assumes (else q4_hadamard dequantizes instead)."""
-    assert int4_gemm.available(), "torch's _weight_int4pack_mm_for_cpu is missing or changed its tile layout"
-    u = torch.randint(0, 16, (5, 64), dtype=torch.uint8)
-    assert torch.equal(int4_gemm.unpack_pairs(int4_gemm.pack_pairs(u)), u)
+    """This torch packs and multiplies in one of the tile layouts int4_gemm knows (else q4_hadamard
+    dequantizes instead), and q4_hadamard stores take that tile width."""
+    T = int4_gemm.tile_width()
+    assert T in int4_gemm.TILE_WIDTHS, "torch's _weight_int4pack_mm_for_cpu is missing or changed its tile layout"
+    assert KVCache(1, 1, 1, 8, 64, "q4_hadamard", "q4_hadamard").k.tile == T
+
+
+@pytest.mark.parametrize("W", [32, 64])
+def test_pack_pairs_round_trip(W):
+    u = torch.randint(0, 16, (5, W), dtype=torch.uint8)
+    b = int4_gemm.pack_pairs(u)
+    assert b.shape == (5, W // 2) and torch.equal(b[:, 3], u[:, 3] | u[:, 3 + W // 2] << 4)
+    assert torch.equal(int4_gemm.unpack_pairs(b), u)
 
 
 @pytest.mark.parametrize("D", [32, 64, 128])
 def test_products_equal_the_dequantized_ones(D):
     """Scores and weighted sums from the tiles equal q @ load().T and p @ load() to bf16 precision,
-    for ranges inside and past the sinks and across 64-position tiles."""
+    for ranges inside and past the sinks and across tiles (T = 32 or 64 positions)."""
     B, Hkv, n, R = 2, 3, 141, 5
     cache = _cache("q4_hadamard", "q4_hadamard", B, Hkv, D, n, seed=D)
     g = torch.Generator().manual_seed(1)
     q = cache.k.to_storage(torch.randn(B, Hkv, R, D, generator=g))
     p = torch.softmax(torch.randn(B, Hkv, R, n, generator=g) * 3, -1)
-    assert cache.k.gemm(q) and cache.v.gemm(p) == (D % 64 == 0)  # value tiles of 64 elements only
+    assert cache.k.gemm(q) and cache.v.gemm(p) == (D % int4_gemm.tile_width() == 0)  # value tiles of T elements only
     for start, end in [(0, n), (0, 3), (2, 9), (17, n), (64, 130), (70, 71)]:
         s = cache.k.scores(0, q, start, end)
         s_ref = q @ cache.k.load(0, start, end).transpose(-1, -2)
