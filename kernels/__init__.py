@@ -1,12 +1,6 @@
-"""Triton kernels (CUDA) with their PyTorch references beside them.
+"""Triton kernels (CUDA; CPU tensors under TRITON_INTERPRET=1), a launcher for each.
 
-`use_triton(t)` is the one switch every dispatch point asks: a CUDA tensor, and the kernels not
-turned off with KVCLI_TRITON=0 (which runs the PyTorch reference on the GPU, to show the
-kernels' gain). This module never imports triton itself.
+A leaf: launchers take tensors and a store's layout constants (kvcli.kernel_layout.KernelLayout)
+and import nothing from kvcli; whether to run them is kvcli.attention's decision, and the
+PyTorch references they are tested against live in the library. This module imports nothing.
 """
-
-import os
-
-
-def use_triton(t) -> bool:
-    return t.is_cuda and os.environ.get("KVCLI_TRITON", "1") != "0"

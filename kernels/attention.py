@@ -7,35 +7,51 @@ j <= pos + r // G. K and V tiles (BLOCK_N positions x D) are read as stored, pac
 blocks or dense f16/bf16/f32, dequantized in registers, and folded into an online softmax
 (FlashAttention's recurrence, base 2). Decode splits the positions across programs
 (flash-decoding) and a second kernel merges the splits' (max, sum, output); prefill uses one
-split. q4_hadamard: q arrives rotated (`cache.k.to_storage`), the codes are read from the
-store's tiles (keys and values laid out differently) with its bf16 scales, positions < N_SINK
-from the f16 sink tensor, the per-head offset is added after dequantization, and the output
-is rotated back by `cache.v.from_storage`.
+split. Each store comes as its tensors and its layout record (`StoreTensors`; the record is
+kvcli.kernel_layout.KernelLayout, read by attribute): the KIND, block bytes and field offsets
+are constexprs. q4_hadamard: q arrives rotated (the caller maps it into K's space and the
+output back out of V's), the codes are read from the store's int4 tiles of TILE positions
+(keys) or elements (values) with its bf16 scales, the first NSINK positions from the f16 sink
+tensor, and the per-head offset is added after dequantization.
 
-Reference: `attend_reference` below, same signature: the library's PyTorch path.
+This package imports nothing from kvcli. Reference: `kvcli.attention.attend_reference`, the
+library's PyTorch path (kvcli.attention.attend_triton launches this with a cache's tensors).
 """
 
 from __future__ import annotations
 
 import math
+from typing import NamedTuple
 
 import torch
 import triton
 import triton.language as tl
 
-from kvcli.kernels.quantize import KINDS, _table
-from kvcli.attention import attend_reference as _library_reference
+from .quantize import DENSE_KINDS, table
 
 LOG2E = 1.4426950408889634
-N_SINK = 4  # kvcli.cache.hadamard.N_SINK; checked at launch
+
+
+class StoreTensors(NamedTuple):
+    """One layer of a K or V store, as the kernel reads it. data: (B, Hkv, n_ctx, D or row bytes),
+    or q4_hadamard's codes (B, Hkv, tiles...); q4_hadamard only: scale (B, Hkv, D / 32, n_pad) bf16,
+    sink (B, Hkv, n_sink, D) f16, offset (B, Hkv, D) f32."""
+
+    layout: object  # kvcli.kernel_layout.KernelLayout: kind, block_bytes, *_offset, table, n_sink, tile
+    data: torch.Tensor
+    scale: torch.Tensor | None = None
+    sink: torch.Tensor | None = None
+    offset: torch.Tensor | None = None
 
 
 @triton.jit
 def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, off_ptr, npad,
-               KIND: tl.constexpr, D: tl.constexpr, NSINK: tl.constexpr):
+               KIND: tl.constexpr, D: tl.constexpr, BB: tl.constexpr, DO: tl.constexpr, MO: tl.constexpr,
+               QH: tl.constexpr, QS: tl.constexpr, TILE: tl.constexpr, NSINK: tl.constexpr):
     """(BLOCK_N, DP) f32: positions offs_n of one (b, head); rows = their offsets (elements or bytes).
+    ggml blocks: BB bytes, fp16 d at byte DO, fp16 m at MO, fifth bits at QH, nibbles at QS.
     q4_hadamard (KIND 9 keys, 10 values): rows = the head's base byte, ptr16 = its bf16 scales
-    (D / 32, npad); the tile layouts are kvcli/cache/hadamard.py's.
+    (D / 32, npad), TILE positions (keys) or elements (values) per tile, as kvcli/cache/hadamard.py.
 
     One constexpr if/elif chain and a single return: the compiler sees only the taken branch."""
     emask = e < D
@@ -45,32 +61,30 @@ def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, 
     if KIND <= 2:  # dense f32 / f16 / bf16
         x = tl.load(ptr + rows[:, None] + e[None, :], mask=m2, other=0.0).to(tl.float32)
     elif KIND == 3:  # q8_0: fp16 d, 32 x int8
-        at = rows[:, None] + (blk * 34)[None, :]
-        d = tl.load(ptr16 + at // 2, mask=m2, other=0.0).to(tl.float32)
-        qv = tl.load(ptr + at + 2 + jw[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
+        at = rows[:, None] + (blk * BB)[None, :]
+        d = tl.load(ptr16 + (at + DO) // 2, mask=m2, other=0.0).to(tl.float32)
+        qv = tl.load(ptr + at + QS + jw[None, :], mask=m2, other=0).to(tl.int8, bitcast=True)
         x = qv.to(tl.float32) * d
     elif KIND == 5 or KIND == 7:  # q4_1 / q5_1: fp16 d, fp16 m, [4 bytes qh], nibbles
-        BB1: tl.constexpr = 20 if KIND == 5 else 24
-        NIB1: tl.constexpr = 4 if KIND == 5 else 8
-        at = rows[:, None] + (blk * BB1)[None, :]
-        d = tl.load(ptr16 + at // 2, mask=m2, other=0.0).to(tl.float32)
-        mn = tl.load(ptr16 + at // 2 + 1, mask=m2, other=0.0).to(tl.float32)
-        byte = tl.load(ptr + at + NIB1 + (jw % 16)[None, :], mask=m2, other=0).to(tl.int32)
+        at = rows[:, None] + (blk * BB)[None, :]
+        d = tl.load(ptr16 + (at + DO) // 2, mask=m2, other=0.0).to(tl.float32)
+        mn = tl.load(ptr16 + (at + MO) // 2, mask=m2, other=0.0).to(tl.float32)
+        byte = tl.load(ptr + at + QS + (jw % 16)[None, :], mask=m2, other=0).to(tl.int32)
         q = (byte >> ((jw // 16) * 4)[None, :]) & 15
         if KIND == 7:
-            qh = tl.load(ptr + at + 4 + (jw // 8)[None, :], mask=m2, other=0).to(tl.int32)
+            qh = tl.load(ptr + at + QH + (jw // 8)[None, :], mask=m2, other=0).to(tl.int32)
             q = q | (((qh >> (jw % 8)[None, :]) & 1) << 4)
         x = d * q.to(tl.float32) + mn
     elif KIND == 9 or KIND == 10:  # q4_hadamard: codes in int4 GEMM tiles, bf16 scales, offset, f16 sinks
         n = offs_n[:, None]
-        if KIND == 9:  # keys: byte (n // 64, e, n % 32), high nibble for n % 64 >= 32
-            at = rows[:, None] + (n // 64) * (D * 32) + e[None, :] * 32 + n % 32
-            shift = ((n % 64) // 32) * 4
-        else:  # values, tiles of W elements: byte (e // W, n, e % W % (W / 2)), high for e % W >= W / 2
-            W: tl.constexpr = 64 if D >= 64 else D
-            ew = e[None, :] % W
-            at = rows[:, None] + (e[None, :] // W) * (npad * (W // 2)) + n * (W // 2) + ew % (W // 2)
-            shift = (ew // (W // 2)) * 4
+        HALF: tl.constexpr = TILE // 2
+        if KIND == 9:  # keys: byte (n // T, e, n % (T / 2)), high nibble for n % T >= T / 2
+            at = rows[:, None] + (n // TILE) * (D * HALF) + e[None, :] * HALF + n % HALF
+            shift = ((n % TILE) // HALF) * 4
+        else:  # values, tiles of W = TILE elements: byte (e // W, n, e % W % (W / 2)), high for e % W >= W / 2
+            ew = e[None, :] % TILE
+            at = rows[:, None] + (e[None, :] // TILE) * (npad * HALF) + n * HALF + ew % HALF
+            shift = (ew // HALF) * 4
         byte = tl.load(ptr + at, mask=m2, other=0).to(tl.int32)
         q = (byte >> shift) & 15
         d = tl.load(ptr16 + blk[None, :] * npad + n, mask=m2, other=0.0).to(tl.float32)
@@ -79,14 +93,12 @@ def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, 
         sink = tl.load(sink_ptr + n * s_sink_n + e[None, :], mask=m2 & is_sink[:, None], other=0.0)
         x = tl.where(is_sink[:, None], sink.to(tl.float32), x)
     else:  # q4_0, q5_0, iq4_nl: fp16 d, [4 bytes qh], nibbles
-        BB0: tl.constexpr = 22 if KIND == 6 else 18
-        NIB0: tl.constexpr = 6 if KIND == 6 else 2
-        at = rows[:, None] + (blk * BB0)[None, :]
-        d = tl.load(ptr16 + at // 2, mask=m2, other=0.0).to(tl.float32)
-        byte = tl.load(ptr + at + NIB0 + (jw % 16)[None, :], mask=m2, other=0).to(tl.int32)
+        at = rows[:, None] + (blk * BB)[None, :]
+        d = tl.load(ptr16 + (at + DO) // 2, mask=m2, other=0.0).to(tl.float32)
+        byte = tl.load(ptr + at + QS + (jw % 16)[None, :], mask=m2, other=0).to(tl.int32)
         q = (byte >> ((jw // 16) * 4)[None, :]) & 15
         if KIND == 6:
-            qh = tl.load(ptr + at + 2 + (jw // 8)[None, :], mask=m2, other=0).to(tl.int32)
+            qh = tl.load(ptr + at + QH + (jw // 8)[None, :], mask=m2, other=0).to(tl.int32)
             q = q | (((qh >> (jw % 8)[None, :]) & 1) << 4)
             x = d * (q.to(tl.float32) - 16.0)
         elif KIND == 8:
@@ -102,9 +114,13 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
                  skd_b, skd_h, k_npad,
                  v_ptr, v16_ptr, sv_b, sv_h, sv_n, vs_ptr, svs_b, svs_h, svs_n, vo_ptr, svo_b, svo_h,
                  svd_b, svd_h, v_npad,
-                 tab_ptr, o_ptr, ml_ptr, Hkv, M, G, pos, n_keys, split_len, S,
-                 KK: tl.constexpr, VK: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
-                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, NSINK: tl.constexpr):
+                 ktab_ptr, vtab_ptr, o_ptr, ml_ptr, Hkv, M, G, pos, n_keys, split_len, S,
+                 KK: tl.constexpr, KBB: tl.constexpr, KDO: tl.constexpr, KMO: tl.constexpr, KQH: tl.constexpr,
+                 KQS: tl.constexpr, KT: tl.constexpr, KNS: tl.constexpr,
+                 VK: tl.constexpr, VBB: tl.constexpr, VDO: tl.constexpr, VMO: tl.constexpr, VQH: tl.constexpr,
+                 VQS: tl.constexpr, VT: tl.constexpr, VNS: tl.constexpr,
+                 D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """K's (KK, KBB, ...) and V's (VK, ...) layout constants: _load_tile's KIND, BB, DO, MO, QH, QS, TILE, NSINK."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -128,8 +144,8 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
         offs_n = n0 + tl.arange(0, BLOCK_N)
         nmask = offs_n < end
         k = _load_tile(k_ptr, k16_ptr + b * skd_b + h * skd_h, k_base + offs_n.to(tl.int64) * sk_n, nmask, e,
-                       offs_n, tab_ptr, ks_ptr + b * sks_b + h * sks_h, sks_n, ko_ptr + b * sko_b + h * sko_h,
-                       k_npad, KK, D, NSINK)
+                       offs_n, ktab_ptr, ks_ptr + b * sks_b + h * sks_h, sks_n, ko_ptr + b * sko_b + h * sko_h,
+                       k_npad, KK, D, KBB, KDO, KMO, KQH, KQS, KT, KNS)
         s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
         visible = nmask[None, :] & (offs_n[None, :] <= q_pos[:, None])
         s = tl.where(visible, s, float("-inf"))
@@ -138,8 +154,8 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
         p = tl.exp2(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, 1)
         v = _load_tile(v_ptr, v16_ptr + b * svd_b + h * svd_h, v_base + offs_n.to(tl.int64) * sv_n, nmask, e,
-                       offs_n, tab_ptr, vs_ptr + b * svs_b + h * svs_h, svs_n, vo_ptr + b * svo_b + h * svo_h,
-                       v_npad, VK, D, NSINK)
+                       offs_n, vtab_ptr, vs_ptr + b * svs_b + h * svs_h, svs_n, vo_ptr + b * svo_b + h * svo_h,
+                       v_npad, VK, D, VBB, VDO, VMO, VQH, VQS, VT, VNS)
         acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
         m_i = m_new
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
@@ -167,52 +183,40 @@ def _split_reduce_kernel(o_ptr, ml_ptr, out_ptr, M, S, SP: tl.constexpr, DP: tl.
     tl.store(out_ptr + (pid_bh.to(tl.int64) * M + r) * DP + e, out)
 
 
-def _store_args(store, layer: int):
+def _store_args(st: StoreTensors):
     """Pointer and stride arguments of one store's layer: data, fp16 view (q4_hadamard: bf16 scales),
     sink, offset, the scales' strides and padded length."""
-    data = store.data[layer]  # (B, H, n_ctx, D or row_bytes); q4_hadamard (B, H, tiles...)
-    if store.name == "q4_hadamard":
-        scale = store.scale[layer]  # (B, H, D / 32, n_pad) bf16
-        sink = store.sink[layer]  # (B, H, n_sink, D) f16
-        off = store.offset[layer]  # (B, 1, H, D) f32
+    data = st.data
+    if st.scale is not None:  # q4_hadamard
+        scale, sink, off = st.scale, st.sink, st.offset
         return (data, scale, data.stride(0), data.stride(1), 0, sink, sink.stride(0), sink.stride(1), sink.stride(2),
-                off, off.stride(0), off.stride(2), scale.stride(0), scale.stride(1), store.n_pad)
-    data16 = data if store.name in ("f32", "f16", "bf16") else data.view(torch.float16)
+                off, off.stride(0), off.stride(1), scale.stride(0), scale.stride(1), scale.shape[-1])
+    data16 = data if st.layout.kind in DENSE_KINDS else data.view(torch.float16)
     unused = (data, 0, 0, 0, data, 0, 0, 0, 0, 0)
     return (data, data16, data.stride(0), data.stride(1), data.stride(2)) + unused
 
 
-def _kind(store) -> int:
-    """The constexpr KIND of a store; q4_hadamard keys and values have different tiles (9, 10)."""
-    return KINDS[store.name] + (store.name == "q4_hadamard" and not store.keys)
+def _constexprs(p: str, layout) -> dict:
+    """One store's layout constants as the kernel's constexpr arguments, p = "K" (KK, KBB, ...) or "V"."""
+    return {p + "K": layout.kind, p + "BB": layout.block_bytes, p + "DO": layout.d_offset, p + "MO": layout.m_offset,
+            p + "QH": layout.qh_offset, p + "QS": layout.qs_offset, p + "T": layout.tile, p + "NS": layout.n_sink}
 
 
-def supported(cache, q: torch.Tensor) -> bool:
-    """Whether the kernels handle this K/V type pair and head size."""
-    D = q.shape[-1]
-    packed = any(s.name not in ("f32", "f16", "bf16") for s in (cache.k, cache.v))
-    return (cache.k.name in KINDS and cache.v.name in KINDS and hasattr(cache.k, "data")
-            and hasattr(cache.v, "data") and (not packed or D % 32 == 0))
-
-
-def attend_kernel(q: torch.Tensor, cache, layer: int, pos: int, num_splits: int | None = None,
+def attend_kernel(q: torch.Tensor, k: StoreTensors, v: StoreTensors, pos: int, num_splits: int | None = None,
                   block_n: int | None = None) -> torch.Tensor:
-    """q (B, T, H, D) f32 at positions pos..pos+T-1 -> (B, T, H * D) f32, through the Triton kernels.
+    """q (B, T, H, D) f32 at positions pos..pos+T-1, in K's storage space -> (B, T, H, D) f32 in V's.
 
     Runs wherever triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1). T = 1 is
     flash-decoding with `num_splits` splits (default: enough programs to fill the GPU).
     """
-    from kvcli.cache.hadamard import N_SINK as STORE_N_SINK
-
-    assert STORE_N_SINK == N_SINK
     B, T, H, D = q.shape
-    Hkv = cache.k.n_heads
+    Hkv = k.data.shape[1]
     G = H // Hkv
     M = T * G
     DP = triton.next_power_of_2(D)
     # rows r = t * G + g of each KV head: (B, Hkv, T*G, D); scale folded with log2(e) for exp2
     qg = q.float().reshape(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, M, D)
-    qg = (cache.k.to_storage(qg) * (LOG2E / math.sqrt(D))).contiguous()
+    qg = (qg * (LOG2E / math.sqrt(D))).contiguous()
     n_keys = pos + T
     if T == 1:
         block_m = max(16, triton.next_power_of_2(M))
@@ -230,24 +234,16 @@ def attend_kernel(q: torch.Tensor, cache, layer: int, pos: int, num_splits: int 
     S = triton.cdiv(n_keys, split_len)
     o = torch.empty(B, Hkv, S, M, DP, device=q.device, dtype=torch.float32)
     ml = torch.empty(B, Hkv, S, M, 2, device=q.device, dtype=torch.float32)
-    tab = _table("iq4_nl", q.device)
     grid = (B * Hkv, triton.cdiv(M, block_m), S)
-    _attn_kernel[grid](qg, qg.stride(0), qg.stride(1), qg.stride(2),
-                       *_store_args(cache.k, layer), *_store_args(cache.v, layer),
-                       tab, o, ml, Hkv, M, G, pos, n_keys, split_len, S,
-                       KK=_kind(cache.k), VK=_kind(cache.v), D=D, DP=DP,
-                       BLOCK_M=block_m, BLOCK_N=block_n, NSINK=N_SINK, num_warps=4)
+    _attn_kernel[grid](qg, qg.stride(0), qg.stride(1), qg.stride(2), *_store_args(k), *_store_args(v),
+                       table(k.layout.table, q.device), table(v.layout.table, q.device),
+                       o, ml, Hkv, M, G, pos, n_keys, split_len, S,
+                       **_constexprs("K", k.layout), **_constexprs("V", v.layout), D=D, DP=DP,
+                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     if S == 1:
         out = o[:, :, 0]
     else:
         out = torch.empty(B, Hkv, M, DP, device=q.device, dtype=torch.float32)
         _split_reduce_kernel[(B * Hkv, M)](o, ml, out, M, S, SP=triton.next_power_of_2(S), DP=DP)
-    out = cache.v.from_storage(out[..., :D])
-    # (B, Hkv, T, G, D) -> (B, T, H * D)
-    return out.reshape(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, H * D)
-
-
-def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, num_splits: int | None = None,
-                     block_n: int | None = None) -> torch.Tensor:
-    """The PyTorch reference of `attend_kernel` (split and block sizes do not change the math)."""
-    return _library_reference(q, cache, layer, pos, flash=True)
+    # (B, Hkv, T, G, D) -> (B, T, H, D)
+    return out[..., :D].reshape(B, Hkv, T, G, D).permute(0, 2, 1, 3, 4).reshape(B, T, H, D)

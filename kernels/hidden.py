@@ -6,8 +6,9 @@ a time) and multiplies it with the head's rows of Wk and Wv (`tl.dot`): K's even
 rows separately, so RoPE's adjacent pairs (2i, 2i+1) (GGUF llama layout) rotate in registers
 with the cos/sin of the tile's positions; scores are q_even . k_even' + q_odd . k_odd'. The
 online softmax (base 2) folds in P @ V, and `kernels.attention`'s split-reduce kernel merges
-the splits. Only T = 1 and dense x (f32, f16, bf16) run here; block-quantized and
-q4_hadamard x, prefill and -fa off use the PyTorch path (`attend_reference`, below).
+the splits. Only T = 1 and dense x (f32, f16, bf16) run here (kvcli.attention decides);
+block-quantized and q4_hadamard x, prefill and -fa off use the PyTorch path, the kernel's
+reference: `kvcli.attention.attend_reference` over the hidden cache's rebuilt K/V.
 """
 
 from __future__ import annotations
@@ -18,9 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcli.kernels.attention import LOG2E, _split_reduce_kernel
-
-DENSE = ("f32", "f16", "bf16")
+from .attention import LOG2E, _split_reduce_kernel
 
 
 @triton.jit
@@ -95,28 +94,21 @@ def _hidden_decode_kernel(qe_ptr, qo_ptr, sq_b, sq_h, sq_r,
     tl.store(ml_ptr + row * 2 + 1, l_i, mask=rmask)
 
 
-def supported(q: torch.Tensor, cache) -> bool:
-    """T = 1, online softmax, dense x, a power-of-two head size >= 32 (tl.dot needs 16 per side)."""
-    D = q.shape[-1]
-    return (q.shape[1] == 1 and cache.flash_attn and cache.h.name in DENSE and D >= 32 and D & (D - 1) == 0)
+def attend_hidden_kernel(q: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                         pos: int, num_splits: int | None = None, block_n: int = 32, block_e: int = 64) -> torch.Tensor:
+    """q (B, 1, Hq, D) f32 at position pos -> (B, 1, Hq * D) f32 over positions 0..pos of one layer.
 
-
-def attend_hidden_kernel(q: torch.Tensor, cache, layer: int, pos: int, num_splits: int | None = None,
-                         block_n: int = 32, block_e: int = 64) -> torch.Tensor:
-    """q (B, 1, H, D) f32 at position pos -> (B, 1, H * D) f32 over positions 0..pos of the hidden cache.
+    x (B, Hs, n_ctx, Ds): the stored normed inputs, dense; w (2 * kv_dim, n_embd): the layer's K rows
+    then V rows (GGUF adjacent-pair RoPE layout); cos, sin (n_ctx, D / 2) f32: the RoPE table.
     Runs wherever triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1)."""
     B, T, H, D = q.shape
-    c = cache.config
-    Hkv = c.n_kv_heads
+    n_embd, kv_dim = w.shape[1], w.shape[0] // 2
+    Hkv = kv_dim // D
     G = H // Hkv
     M = T * G
-    block = cache.model.blocks[layer]
-    w = block.wqkv[block.q_dim :]  # (2 * kv_dim, n_embd): K rows then V rows
-    assert w.stride(1) == 1
-    cos, sin = cache.cos_sin()
+    assert w.stride(1) == 1 and T == 1
     qg = q.float().reshape(B, Hkv, G, D) * (LOG2E / math.sqrt(D))  # T = 1: rows are the group's heads
     qe, qo = qg[..., 0::2].contiguous(), qg[..., 1::2].contiguous()
-    x = cache.h.data[layer]  # (B, Hs, n_ctx, Ds)
     n_keys = pos + 1
     n_blocks = triton.cdiv(n_keys, block_n)
     if num_splits is None:
@@ -130,8 +122,8 @@ def attend_hidden_kernel(q: torch.Tensor, cache, layer: int, pos: int, num_split
     _hidden_decode_kernel[(B * Hkv, S)](
         qe, qo, qe.stride(0), qe.stride(1), qe.stride(2),
         x, x.stride(0), x.stride(1), x.stride(2), w, w.stride(0), cos, sin, cos.stride(0),
-        o, ml, Hkv, M, n_keys, split_len, S, c.n_embd, c.kv_dim,
-        D=D, D2=D // 2, DS=cache.h.head_dim, BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
+        o, ml, Hkv, M, n_keys, split_len, S, n_embd, kv_dim,
+        D=D, D2=D // 2, DS=x.shape[-1], BLOCK_M=max(16, triton.next_power_of_2(M)), BLOCK_N=block_n,
         BLOCK_E=block_e, W_F32=w.dtype == torch.float32, num_warps=4)
     if S == 1:
         out = o[:, :, 0]
@@ -139,17 +131,3 @@ def attend_hidden_kernel(q: torch.Tensor, cache, layer: int, pos: int, num_split
         out = torch.empty(B, Hkv, M, D, device=q.device, dtype=torch.float32)
         _split_reduce_kernel[(B * Hkv, M)](o, ml, out, M, S, SP=triton.next_power_of_2(S), DP=D)
     return out.reshape(B, 1, H * D)  # rows g of KV head h are query heads h * G + g
-
-
-def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> torch.Tensor:
-    """The PyTorch reference of `attend_hidden_kernel`: the library's path (K/V rebuilt chunk by chunk)."""
-    from kvcli.attention import attend_reference as library_reference
-
-    return library_reference(q, cache, layer, pos, flash=True)
-
-
-def attend_hidden_cuda(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor | None:
-    """The dispatcher's entry (as `kernels.dispatch.attend_cuda`): None where no kernel applies."""
-    if not q.is_cuda or not supported(q, cache):
-        return None
-    return attend_hidden_kernel(q, cache, layer, pos)

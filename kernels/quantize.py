@@ -7,11 +7,12 @@ halves of 16 (elements j and j + 16 share a byte: ggml's nibble order). q4_hadam
 search writes one code per element and the block scales (`quantize_codes`); the store packs
 them into its tiles, where positions share bytes (a per-vector program would race on them).
 
-References: the stores' own PyTorch quantizers (`Q8_0Store.quantize_blocks`, ...), reached
-through `quantize_reference`, and `kvcli.cache.hadamard.quantize_vectors`
-(`quantize_codes_reference`). The kernels mirror their f32 arithmetic op for op (IEEE division
-via `div_rn`, no FMA contraction on GPU: launched with enable_fp_fusion=False), so ggml types
-are byte-exact. q4_hadamard's scale is a least-squares refit whose 32-term sums torch orders
+The launchers take tensors and a store's layout record (`kvcli.kernel_layout.KernelLayout`, read
+by attribute: kind, block_bytes and field offsets, table): this package imports nothing from kvcli.
+References, in the library: the stores' own PyTorch quantizers, reached through
+`kvcli.cache.ggml_blocks.quantize_reference`, and `kvcli.cache.hadamard.quantize_vectors`.
+The kernels mirror their f32 arithmetic op for op (IEEE division via `div_rn`, no FMA
+contraction on GPU: launched with enable_fp_fusion=False), so ggml types are byte-exact. q4_hadamard's scale is a least-squares refit whose 32-term sums torch orders
 its own way: codes can differ on rare blocks where the f32 sum rounds across a bf16 boundary;
 the squared error matches.
 """
@@ -22,28 +23,20 @@ import torch
 import triton
 import triton.language as tl
 
-from kvcli.cache.ggml_blocks import GGML_BLOCKS, KVALUES_IQ4NL, GgmlBlockStore
-from kvcli.cache.base import STORAGE_TYPES
-from kvcli.cache.hadamard import quantize_vectors as quantize_codes_reference  # noqa: F401  (quantize_codes')
+# KIND codes (kvcli/kernel_layout.py): 0-2 dense f32/f16/bf16, 3 q8_0, 4 q4_0, 5 q4_1, 6 q5_0,
+# 7 q5_1, 8 iq4_nl, 9 q4_hadamard (codes and scales; 10, its value tiles, only for reading)
+DENSE_KINDS = (0, 1, 2)
+HADAMARD = 9
 
-# constexpr KIND of each block type (the attention kernels use the same numbers)
-KINDS = {"f32": 0, "f16": 1, "bf16": 2, "q8_0": 3, "q4_0": 4, "q4_1": 5, "q5_0": 6, "q5_1": 7,
-         "iq4_nl": 8, "q4_hadamard": 9}
-_BLOCK_BYTES = {k: v[1] for k, v in GGML_BLOCKS.items()}
-
-_tables: dict[tuple[str, torch.device], torch.Tensor] = {}
+_tables: dict[tuple[tuple[float, ...], torch.device], torch.Tensor] = {}
 
 
-def _table(name: str, device) -> torch.Tensor:
-    """Small f32 constant tables (iq4_nl codebook, q4_hadamard scale grid) on `device`, cached."""
-    key = (name, torch.device(device))
+def table(values: tuple[float, ...], device) -> torch.Tensor:
+    """A layout's constant table (iq4_nl codebook, q4_hadamard scale grid) as f32 on `device`, cached;
+    a one-element dummy where the layout has none (the kernels take a pointer either way)."""
+    key = (values or (0.0,), torch.device(device))
     if key not in _tables:
-        if name == "iq4_nl":
-            t = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32)
-        else:
-            from kvcli.cache.hadamard import _SCALE_GRID
-            t = _SCALE_GRID.float().clone()
-        _tables[key] = t.to(device)
+        _tables[key] = torch.tensor(key[0], dtype=torch.float32, device=device)
     return _tables[key]
 
 
@@ -101,7 +94,11 @@ def _iq4_index(al, cb_ptr):
 
 @triton.jit
 def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, tab_ptr, pos, T, H,
-                     KIND: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr):
+                     KIND: tl.constexpr, NB: tl.constexpr, NBP: tl.constexpr, BB: tl.constexpr,
+                     DO: tl.constexpr, MO: tl.constexpr, QH: tl.constexpr, QS: tl.constexpr, NG: tl.constexpr):
+    """BB bytes per block; byte offsets DO of fp16 d, MO of fp16 m, QH of the fifth bits, QS of the
+    nibbles (int8 values for q8_0). q4_hadamard (KIND 9) writes codes and f32 scales instead,
+    trying the NG scales of its grid (tab_ptr)."""
     pid = tl.program_id(0)
     h = pid % H
     t = (pid // H) % T
@@ -122,9 +119,9 @@ def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, ta
         idn = _inverse(d)[:, None]
         q_lo = _round_away(x_lo * idn).to(tl.int8)
         q_hi = _round_away(x_hi * idn).to(tl.int8)
-        tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
-        tl.store(dst_ptr + blk_at[:, None] + 2 + j[None, :], q_lo.to(tl.uint8, bitcast=True), mask=m2)
-        tl.store(dst_ptr + blk_at[:, None] + 18 + j[None, :], q_hi.to(tl.uint8, bitcast=True), mask=m2)
+        tl.store(dst16_ptr + (blk_at + DO) // 2, d.to(tl.float16), mask=bmask)
+        tl.store(dst_ptr + blk_at[:, None] + QS + j[None, :], q_lo.to(tl.uint8, bitcast=True), mask=m2)
+        tl.store(dst_ptr + blk_at[:, None] + QS + 16 + j[None, :], q_hi.to(tl.uint8, bitcast=True), mask=m2)
     elif KIND == 5 or KIND == 7:  # q4_1 / q5_1: d = (max - min) / (2^bits - 1), m = min
         lo = tl.minimum(tl.min(x_lo, 1), tl.min(x_hi, 1))
         hi = tl.maximum(tl.max(x_lo, 1), tl.max(x_hi, 1))
@@ -133,9 +130,9 @@ def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, ta
         idn = _inverse(d)[:, None]
         q_lo = tl.minimum(tl.maximum((x_lo - lo[:, None]) * idn + 0.5, 0.0), QMAX).to(tl.uint8)
         q_hi = tl.minimum(tl.maximum((x_hi - lo[:, None]) * idn + 0.5, 0.0), QMAX).to(tl.uint8)
-        tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
-        tl.store(dst16_ptr + blk_at // 2 + 1, lo.to(tl.float16), mask=bmask)
-        _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, 4, KIND == 7)
+        tl.store(dst16_ptr + (blk_at + DO) // 2, d.to(tl.float16), mask=bmask)
+        tl.store(dst16_ptr + (blk_at + MO) // 2, lo.to(tl.float16), mask=bmask)
+        _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, QH, QS, KIND == 7)
     elif KIND == 8:  # iq4_nl: nearest codebook entry for x / (max / -127), then the weighted LSQ scale
         mx = _signed_absmax(x_lo, x_hi, amax, j)
         live = tl.abs(mx) >= 1e-15
@@ -159,15 +156,15 @@ def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, ta
         d = tl.where(live & (sumq2 > 0.0), _div(sumqx, tl.where(sumq2 > 0.0, sumq2, 1.0)), 0.0)
         i_lo = tl.where(live[:, None], i_lo, 0).to(tl.uint8)
         i_hi = tl.where(live[:, None], i_hi, 0).to(tl.uint8)
-        tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
-        tl.store(dst_ptr + blk_at[:, None] + 2 + j[None, :], i_lo | (i_hi << 4), mask=m2)
+        tl.store(dst16_ptr + (blk_at + DO) // 2, d.to(tl.float16), mask=bmask)
+        tl.store(dst_ptr + blk_at[:, None] + QS + j[None, :], i_lo | (i_hi << 4), mask=m2)
     elif KIND == 9:  # q4_hadamard: scales g * max / -8 over a grid, refit by least squares, kept as bf16
         # dst: codes (B, H, T, D) uint8, one per element; dst16: scales (B, H, T, D / 32) f32 (bf16 values)
         best_err = tl.full([NBP], float("inf"), tl.float32)
         best_g = tl.zeros([NBP], dtype=tl.float32)
         best_d = tl.zeros([NBP], dtype=tl.float32)
         mx = _signed_absmax(x_lo, x_hi, amax, j)
-        for s in tl.static_range(9):
+        for s in tl.static_range(NG):
             g = tl.load(tab_ptr + s)
             d0 = (mx * g) / -8.0
             dd = tl.broadcast_to(tl.where(d0 == 0.0, 1.0, d0)[:, None], [NBP, 16])
@@ -197,8 +194,8 @@ def _quantize_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, dst16_ptr, sdb, sdh, sdn, ta
         idn = _inverse(d)[:, None]
         q_lo = tl.minimum(tl.maximum(x_lo * idn + (HALF + 0.5), 0.0), 2.0 * HALF - 1.0).to(tl.uint8)
         q_hi = tl.minimum(tl.maximum(x_hi * idn + (HALF + 0.5), 0.0), 2.0 * HALF - 1.0).to(tl.uint8)
-        tl.store(dst16_ptr + blk_at // 2, d.to(tl.float16), mask=bmask)
-        _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, 2, KIND == 6)
+        tl.store(dst16_ptr + (blk_at + DO) // 2, d.to(tl.float16), mask=bmask)
+        _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, QH, QS, KIND == 6)
 
 
 @triton.jit
@@ -213,8 +210,8 @@ def _signed_absmax(x_lo, x_hi, amax, j):
 
 
 @triton.jit
-def _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, HDR: tl.constexpr, HIGH: tl.constexpr):
-    """Nibbles (and for q5 the 4 qh bytes: bit k of the LE uint32 = bit 4 of element k) after HDR bytes."""
+def _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, QH: tl.constexpr, QS: tl.constexpr, HIGH: tl.constexpr):
+    """Nibbles at byte QS (and for q5 the 4 qh bytes at QH: bit k of the LE uint32 = bit 4 of element k)."""
     m2 = bmask[:, None]
     if HIGH:
         b_lo = ((q_lo >> 4) & 1).to(tl.int32)
@@ -224,13 +221,13 @@ def _store_q4_or_q5(dst_ptr, blk_at, j, q_lo, q_hi, bmask, HDR: tl.constexpr, HI
         qh1 = tl.sum(tl.where(jj >= 8, b_lo << (jj - 8), 0), 1)
         qh2 = tl.sum(tl.where(jj < 8, b_hi << jj, 0), 1)
         qh3 = tl.sum(tl.where(jj >= 8, b_hi << (jj - 8), 0), 1)
-        tl.store(dst_ptr + blk_at + HDR, qh0.to(tl.uint8), mask=bmask)
-        tl.store(dst_ptr + blk_at + HDR + 1, qh1.to(tl.uint8), mask=bmask)
-        tl.store(dst_ptr + blk_at + HDR + 2, qh2.to(tl.uint8), mask=bmask)
-        tl.store(dst_ptr + blk_at + HDR + 3, qh3.to(tl.uint8), mask=bmask)
-        tl.store(dst_ptr + blk_at[:, None] + HDR + 4 + j[None, :], (q_lo & 15) | ((q_hi & 15) << 4), mask=m2)
+        tl.store(dst_ptr + blk_at + QH, qh0.to(tl.uint8), mask=bmask)
+        tl.store(dst_ptr + blk_at + QH + 1, qh1.to(tl.uint8), mask=bmask)
+        tl.store(dst_ptr + blk_at + QH + 2, qh2.to(tl.uint8), mask=bmask)
+        tl.store(dst_ptr + blk_at + QH + 3, qh3.to(tl.uint8), mask=bmask)
+        tl.store(dst_ptr + blk_at[:, None] + QS + j[None, :], (q_lo & 15) | ((q_hi & 15) << 4), mask=m2)
     else:
-        tl.store(dst_ptr + blk_at[:, None] + HDR + j[None, :], q_lo | (q_hi << 4), mask=m2)
+        tl.store(dst_ptr + blk_at[:, None] + QS + j[None, :], q_lo | (q_hi << 4), mask=m2)
 
 
 @triton.jit
@@ -257,53 +254,42 @@ def _unit_stride_f32(x: torch.Tensor) -> torch.Tensor:
     return x if x.stride(-1) == 1 else x.contiguous()
 
 
-def quantize_into(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
+def quantize_into(layout, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
     """x (B, T, Hkv, D) f32 -> rows pos..pos+T-1 of dst (B, Hkv, n_ctx, row_bytes or D), in place.
 
-    dst is a store's `data[layer]` of a dense or ggml block type.
+    dst is a store's `data[layer]` of a dense or ggml block type; layout its KernelLayout.
     """
     B, T, H, D = x.shape
     x = _unit_stride_f32(x)
     assert dst.stride(-1) == 1 and dst.shape[0] == B and dst.shape[1] == H and pos + T <= dst.shape[2]
     grid = (B * T * H,)
-    if kind in ("f32", "f16", "bf16"):
+    if layout.kind in DENSE_KINDS:
         _store_dense_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), dst, *dst.stride()[:3], pos, T, H,
-                                  D=D, DP=triton.next_power_of_2(D), IS_BF16=kind == "bf16")
+                                  D=D, DP=triton.next_power_of_2(D), IS_BF16=layout.kind == 2)
         return
-    assert kind != "q4_hadamard", "q4_hadamard writes codes and scales: quantize_codes"
-    nb, bb = D // 32, _BLOCK_BYTES[kind]
+    assert layout.kind != HADAMARD, "q4_hadamard writes codes and scales: quantize_codes"
+    nb, bb = D // 32, layout.block_bytes
     assert D % 32 == 0 and dst.shape[-1] == nb * bb and dst.stride(2) % 2 == 0
-    tab = _table("iq4_nl", x.device)  # read by iq4_nl only
     # a fp16 view of the same bytes: every fp16 field sits at an even byte offset (block bytes are even)
     dst16 = dst.view(torch.float16)
-    _quantize_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), dst, dst16, *dst.stride()[:3], tab, pos, T, H,
-                           KIND=KINDS[kind], NB=nb, NBP=triton.next_power_of_2(nb), BB=bb,
+    _quantize_kernel[grid](x, x.stride(0), x.stride(1), x.stride(2), dst, dst16, *dst.stride()[:3],
+                           table(layout.table, x.device), pos, T, H,
+                           KIND=layout.kind, NB=nb, NBP=triton.next_power_of_2(nb), BB=bb, DO=layout.d_offset,
+                           MO=layout.m_offset, QH=layout.qh_offset, QS=layout.qs_offset, NG=0,
                            enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
 
 
-def quantize_codes(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """q4_hadamard's scale search: y (B, T, H, D) f32 -> codes (B, T, H, D) uint8 (0..15) and scales
-    (B, T, H, D / 32) f32 (bf16 values); the store lays them out (HadamardQ4Store.put)."""
+def quantize_codes(layout, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """q4_hadamard's scale search over layout.table: y (B, T, H, D) f32 -> codes (B, T, H, D) uint8
+    (0..15) and scales (B, T, H, D / 32) f32 (bf16 values); the store lays them out (HadamardQ4Store.put)."""
     B, T, H, D = y.shape
     y = _unit_stride_f32(y)
     nb = D // 32
     codes = torch.empty(B, H, T, D, dtype=torch.uint8, device=y.device)
     scales = torch.empty(B, H, T, nb, dtype=torch.float32, device=y.device)
     _quantize_kernel[(B * T * H,)](y, y.stride(0), y.stride(1), y.stride(2), codes, scales, *codes.stride()[:3],
-                                   _table("grid", y.device), 0, T, H, KIND=KINDS["q4_hadamard"], NB=nb,
-                                   NBP=triton.next_power_of_2(nb), BB=32, enable_fp_fusion=False)
+                                   table(layout.table, y.device), 0, T, H, KIND=HADAMARD, NB=nb,
+                                   NBP=triton.next_power_of_2(nb), BB=32, DO=0, MO=0, QH=0, QS=0,
+                                   NG=len(layout.table),
+                                   enable_fp_fusion=False)
     return codes.transpose(1, 2), scales.transpose(1, 2)
-
-
-def quantize_reference(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
-    """The PyTorch reference of `quantize_into`, same signature: the stores' own quantizers."""
-    B, T, H, D = x.shape
-    x = x.float()
-    if kind in ("f32", "f16", "bf16"):
-        dst[:, :, pos : pos + T] = x.transpose(1, 2).to(dst.dtype)
-        return
-    store_cls = STORAGE_TYPES[kind]
-    assert issubclass(store_cls, GgmlBlockStore)
-    blocks = store_cls.quantize_blocks(x.reshape(B, T, H, D // 32, 32))
-    dst[:, :, pos : pos + T] = blocks.reshape(B, T, H, -1).transpose(1, 2)
-

@@ -8,32 +8,88 @@ small: one row per query) and V is still read chunk by chunk. A store may keep v
 a rotated space: the query goes into the K store's space and the output comes back out of
 the V store's. The products q.K and p.V of a chunk are the stores' own (Store.scores,
 Store.weighted_sum): q4_0 and q4_hadamard compute them for decode straight from their bytes
-(kvcli/cache/block_products.py, kvcli/cache/int4_gemm.py). Triton kernels (CUDA) plug in here
-with the same signature.
+(kvcli/cache/block_products.py, kvcli/cache/int4_gemm.py).
+
+This is the one dispatcher: `Attention` (the -fa choice) runs the Triton kernels (kvcli.kernels,
+a leaf fed tensors and each store's KernelLayout) where they cover the case on CUDA, and the
+PyTorch reference elsewhere, with the same result; `use_triton` is the switch the stores'
+quantize-on-write asks too.
 """
 
 from __future__ import annotations
 
 import math
+import os
+from dataclasses import dataclass
 
 import torch
 
-from kvcli.kernels import use_triton
+from kvcli.kernel_layout import DENSE_KINDS
 
 # f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
 CHUNK_BYTES = 8 * 1024 * 1024
 MIN_CHUNK = 256
 
 
-def attend(q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
-    """q (B, T, H, D) f32 at positions pos..pos+T-1 -> (B, T, H * D) f32."""
-    if use_triton(q):  # Triton kernels; imported here so CPU users never import triton
-        from kvcli.kernels.dispatch import attend_cuda
+def use_triton(t: torch.Tensor) -> bool:
+    """Run the Triton kernels on this tensor's data? A CUDA tensor, and the kernels not turned off with
+    KVCLI_TRITON=0 (which runs the PyTorch reference on the GPU, to show the kernels' gain)."""
+    return t.is_cuda and os.environ.get("KVCLI_TRITON", "1") != "0"
 
-        out = attend_cuda(q, cache, layer, pos)
-        if out is not None:
-            return out
-    return attend_reference(q, cache, layer, pos, flash=cache.flash_attn)
+
+@dataclass(frozen=True)
+class Attention:
+    """How caches attend: flash on (online softmax over chunks, the kernels where they apply) or off
+    (materialized scores, the reference's path on any device). Caches are built with one and call it."""
+
+    flash: bool = True
+
+    def __call__(self, q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
+        """q (B, T, H, D) f32 at positions pos..pos+T-1 over a K/V cache -> (B, T, H * D) f32."""
+        if use_triton(q) and self.flash and kernel_covers(q, cache):
+            return attend_triton(q, cache, layer, pos)
+        return attend_reference(q, cache, layer, pos, flash=self.flash)
+
+    def hidden(self, q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
+        """The same over a hidden-state cache, whose K/V are rebuilt from the stored x."""
+        if use_triton(q) and self.flash and hidden_kernel_covers(q, cache):
+            return attend_hidden_triton(q, cache, layer, pos)
+        return attend_reference(q, cache, layer, pos, flash=self.flash)
+
+
+def kernel_covers(q: torch.Tensor, cache) -> bool:
+    """Does the Triton attention kernel read this K/V type pair (both publish a layout) at this head size?"""
+    k, v = cache.k.kernel_layout(), cache.v.kernel_layout()
+    if k is None or v is None:
+        return False
+    return (k.kind in DENSE_KINDS and v.kind in DENSE_KINDS) or q.shape[-1] % 32 == 0
+
+
+def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> torch.Tensor:
+    """attend_reference's result through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1);
+    launch: num_splits, block_n. The query goes into K's storage space and the output out of V's here."""
+    from kvcli.kernels.attention import StoreTensors, attend_kernel  # imports triton: only where kernels run
+
+    k = StoreTensors(cache.k.kernel_layout(), *cache.k.kernel_operands(layer))
+    v = StoreTensors(cache.v.kernel_layout(), *cache.v.kernel_operands(layer))
+    out = cache.v.from_storage(attend_kernel(cache.k.to_storage(q.float()), k, v, pos, **launch))  # (B, T, H, D)
+    return out.flatten(2)
+
+
+def hidden_kernel_covers(q: torch.Tensor, cache) -> bool:
+    """The hidden-state decode kernel: T = 1, dense x, a power-of-two head size >= 32 (tl.dot needs 16 a side)."""
+    D, h = q.shape[-1], cache.h.kernel_layout()
+    return q.shape[1] == 1 and h is not None and h.kind in DENSE_KINDS and D >= 32 and D & (D - 1) == 0
+
+
+def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> torch.Tensor:
+    """attend_reference's result over a hidden cache through the Triton decode kernel; launch:
+    num_splits, block_n, block_e."""
+    from kvcli.kernels.hidden import attend_hidden_kernel  # imports triton: only where kernels run
+
+    block = cache.model.blocks[layer]
+    cos, sin = cache.cos_sin()
+    return attend_hidden_kernel(q, cache.h.data[layer], block.wqkv[block.q_dim :], cos, sin, pos, **launch)
 
 
 def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool = True) -> torch.Tensor:

@@ -14,7 +14,8 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from kvcli.cache import CacheSpec, cache_bytes as plan_cache_bytes, make_cache
+from kvcli.attention import Attention
+from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
@@ -52,11 +53,11 @@ class Llama:
         self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h).resolved(c, self.n_ctx)
         self.cache_mode = self.cache_spec.mode
         self.flash_attn = flash_attn
-        cache_bytes = plan_cache_bytes(c, self.cache_spec, self.n_ctx, n_seq)
+        self.attention = Attention(flash=flash_attn)  # how every cache of this run attends
         untied = not self.synthetic and "output.weight" in self.gguf.tensors
         if device == "cpu":
-            check_fits(weight_bytes(c, dtype, untied), cache_bytes, what=f"a {self.n_ctx}-token context",
-                       per_token_bytes=cache_bytes // self.n_ctx)
+            check_fits(weight_bytes(c, dtype, untied), c, self.cache_spec, self.n_ctx, n_seq,
+                       what=f"a {self.n_ctx}-token context")
 
         t0 = time.perf_counter()
         compute = dtype_from_name(dtype)
@@ -103,7 +104,7 @@ class Llama:
     def new_cache(self, spec: CacheSpec):
         """A cache of another choice, shaped and built as this run's own (sequences, context,
         device, attention): `logits(ids, cache=...)` runs through it with the same weights."""
-        return make_cache(self.config, spec, self.n_ctx, self.n_seq, device=self.device, flash_attn=self.flash_attn,
+        return make_cache(self.config, spec, self.n_ctx, self.n_seq, device=self.device, attention=self.attention,
                           model=self.model)
 
     def logits(self, ids: Sequence[int] | torch.Tensor, cache=None) -> torch.Tensor:

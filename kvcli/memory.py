@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from kvcli.errors import KvcliError
 
+MIB = 1024**2  # the one definition of the binary units kvcli prints
 GIB = 1024**3
-MIB = 1024**2
 # Activations, logits and attention scratch beside weights and cache.
 WORKING_BYTES = 256 * MIB
 
@@ -22,19 +22,24 @@ def available_bytes() -> int | None:
     return None
 
 
-def largest_context(weight_bytes: int, per_token_bytes: int, have: int) -> int:
-    """The most tokens whose cache fits beside the weights and working buffers (0: none), rounded
-    down to a multiple of 256 as llama.cpp pads its context."""
-    room = have - weight_bytes - WORKING_BYTES
-    if per_token_bytes <= 0 or room <= 0:
+def largest_context(config, spec, room_bytes: int, n_seq: int = 1) -> int:
+    """The most tokens n whose cache (kvcli.cache.CacheSpec `spec` for this model, n_seq sequences)
+    takes at most room_bytes: exact at the byte. The bytes are affine in n past a few sink cells
+    (padded types step), so an affine estimate from two sizes, then stepped down while it does not fit."""
+    if room_bytes <= 0:
         return 0
-    n = room // per_token_bytes
-    return n - n % 256 if n >= 256 else n
+    lo, hi = spec.nbytes(config, 1024, n_seq), spec.nbytes(config, 2048, n_seq)
+    per_token = (hi - lo) / 1024
+    n = max(0, int((room_bytes - (lo - 1024 * per_token)) // per_token))
+    while n > 0 and spec.nbytes(config, n, n_seq) > room_bytes:  # guard the rounding
+        n -= 1
+    return n
 
 
-def check_fits(weight_bytes: int, cache_bytes: int, what: str, per_token_bytes: int = 0) -> None:
-    """Refuse before allocating. per_token_bytes (the cache's bytes per context token, all layers)
-    lets the message name the largest context that would fit."""
+def check_fits(weight_bytes: int, config, spec, n_ctx: int, n_seq: int, what: str) -> None:
+    """Refuse before allocating an n_ctx-token cache of `spec` beside the weights, naming the largest
+    context that would fit (largest_context, the number `kvcli fit` prints)."""
+    cache_bytes = spec.nbytes(config, n_ctx, n_seq)
     need = weight_bytes + cache_bytes + WORKING_BYTES
     have = available_bytes()
     if have is None or need <= have:
@@ -42,9 +47,10 @@ def check_fits(weight_bytes: int, cache_bytes: int, what: str, per_token_bytes: 
     message = (f"{what} does not fit in memory: needs {need / GIB:.2f} GiB (weights {weight_bytes / GIB:.2f} GiB, "
                f"KV cache {cache_bytes / GIB:.2f} GiB, working buffers {WORKING_BYTES / GIB:.2f} GiB), "
                f"{have / GIB:.2f} GiB available")
-    if weight_bytes + WORKING_BYTES > have:
+    room = have - weight_bytes - WORKING_BYTES
+    if room < 0:
         raise KvcliError(message + "; the weights alone do not fit, whatever the context")
-    n = largest_context(weight_bytes, per_token_bytes, have) if per_token_bytes > 0 else 0
+    n = largest_context(config, spec, room, n_seq)
     if n > 0:
         raise KvcliError(message + f"; the largest context that fits is {n} tokens (-c {n}), "
                                    f"or use a smaller --cache-type-k/-v")

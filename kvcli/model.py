@@ -4,8 +4,8 @@ It knows nothing of cache formats: each block hands q, its new K/V and its norme
 to `cache.attention`, which stores what its format keeps (K/V, or x for the hidden-state
 cache) and returns the attention output over what the cache holds.
 The residual stream, norms, RoPE and softmax run in f32; a decode step multiplies in the
-weights' dtype (f16 weights: about 4x faster than f32 on this kind of CPU), a prefill batch
-on CPU upcasts them to f32 (this CPU's f16 GEMM is the slow one; see `linear`).
+weights' dtype (a half-precision GEMV reads half the bytes), a prefill batch on CPU upcasts
+them to f32 (CPU half-precision GEMM is slow; see `linear`; figures in benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -14,11 +14,12 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcli.cache.base import Cache
 from kvcli.config import ModelConfig
 
 
-# Rows above which a half-precision weight is upcast for the matmul: this CPU kind multiplies one
-# row by f16 weights fast (GEMV), but a prefill batch far faster as f32 GEMM, upcast included.
+# Rows above which a half-precision weight is upcast for the matmul: a CPU multiplies one row by
+# f16 weights fast (GEMV), but a prefill batch faster as f32 GEMM, upcast included.
 UPCAST_ROWS = 32
 
 
@@ -68,7 +69,16 @@ class Block(nn.Module):
         self.dtype = dtype
         self.q_dim = c.n_heads * c.head_dim
 
-    def forward(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
+    def project_kv(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K = RoPE(x Wk), V = x Wv for normed inputs x (B, n, n_embd) f32 at rot's n positions -> each
+        (B, n, Hkv, D) f32, multiplied as forward multiplies: the hidden-state cache rebuilds K/V so."""
+        c = self.c
+        kv = linear(x, self.wqkv[self.q_dim :])  # (B, n, 2 * kv_dim)
+        B, n = kv.shape[:2]
+        k = apply_rope(kv[..., : c.kv_dim].reshape(B, n, c.n_kv_heads, c.head_dim), rot)
+        return k, kv[..., c.kv_dim :].reshape(B, n, c.n_kv_heads, c.head_dim)
+
+    def forward(self, h: torch.Tensor, cache: Cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
         x = F.rms_norm(h, (c.n_embd,), self.attn_norm, c.rms_eps)
@@ -100,7 +110,7 @@ class Transformer(nn.Module):
         return self.tok_embd if self.untied_output is None else self.untied_output
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache, pos: int, last_only: bool = False) -> torch.Tensor:
+    def forward(self, tokens: torch.Tensor, cache: Cache, pos: int, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) at positions pos..pos+T-1 -> logits (B, T or 1, vocab) f32."""
         T = tokens.shape[1]
         h = self.tok_embd[tokens].float()  # (B, T, n_embd)

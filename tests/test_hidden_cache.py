@@ -158,7 +158,7 @@ def test_triton_kernel_equals_reference(models, kind, type_h, dtype, tol):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
-    from kvcli.kernels.hidden import attend_hidden_kernel, attend_reference, supported
+    from kvcli.attention import attend_hidden_triton, attend_reference, hidden_kernel_covers
 
     llm = _llm(models[kind], ctx_size=48, cache_mode="hidden", cache_type_h=type_h, dtype=dtype)
     cache, c = llm.cache, llm.config
@@ -171,10 +171,10 @@ def test_triton_kernel_equals_reference(models, kind, type_h, dtype, tol):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         cache.attention(0, q, None, None, x, pos)  # stores x at pos (CPU: the reference path)
-        assert supported(q, cache)
+        assert hidden_kernel_covers(q, cache)
         ref = attend_reference(q, cache, 0, pos)
         for splits in (1, 2):
-            got = attend_hidden_kernel(q, cache, 0, pos, num_splits=splits, block_n=32, block_e=32)
+            got = attend_hidden_triton(q, cache, 0, pos, num_splits=splits, block_n=32, block_e=32)
             assert got.shape == ref.shape
             assert (got - ref).abs().max() <= tol, (splits, (got - ref).abs().max())
 

@@ -3,10 +3,12 @@
 The interpreter runs the kernels' programs one by one on CPU tensors (slow): shapes are tiny.
 Quantize-on-write: bytes equal to the stores' quantizers. Attention: f32 tolerance against
 `kvcli.attention.attend_reference` (the kernels read the same stored bytes, so the only
-difference is summation order).
+difference is summation order). The kernels are a leaf: they import nothing from kvcli.
 """
 
+import ast
 import os
+from pathlib import Path
 import warnings
 
 os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels then run on CPU tensors
@@ -16,12 +18,13 @@ import torch
 
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
 
-from kvcli.kernels.attention import attend_kernel, attend_reference  # noqa: E402
-from kvcli.kernels.dispatch import _attend, attend_cuda  # noqa: E402
-from kvcli.kernels.quantize import quantize_codes, quantize_codes_reference, quantize_into, quantize_reference  # noqa: E402
-from kvcli.attention import attend  # noqa: E402
-from kvcli.cache import KVCache, block_products  # noqa: E402
+import kvcli.kernels  # noqa: E402
+from kvcli.kernels.quantize import quantize_codes, quantize_into  # noqa: E402
+from kvcli.attention import Attention, attend_reference, attend_triton, kernel_covers, use_triton  # noqa: E402
+from kvcli.cache import KVCache, block_products, int4_gemm  # noqa: E402
 from kvcli.cache.base import STORAGE_TYPES  # noqa: E402
+from kvcli.cache.ggml_blocks import quantize_reference  # noqa: E402
+from kvcli.cache.hadamard import quantize_vectors as quantize_codes_reference  # noqa: E402
 
 ALL_TYPES = ["f32", "f16", "bf16", "q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "q4_hadamard"]
 ROW_TYPES = ALL_TYPES[:-1]  # one row of blocks per vector; q4_hadamard writes codes, the store packs them
@@ -60,6 +63,27 @@ def _row_bytes(kind: str, D: int) -> int:
     return D if kind in DENSE else D // 32 * STORAGE_TYPES[kind].block_bytes
 
 
+def _layout(kind: str, D: int = 64):
+    """The KernelLayout a store of this type publishes."""
+    return STORAGE_TYPES[kind](1, 1, 1, 1, D).kernel_layout()
+
+
+def test_kernels_import_nothing_from_kvcli():
+    """kernels/ is a leaf: no module of it imports kvcli (its own siblings are imported relatively)."""
+    for path in Path(kvcli.kernels.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = ([a.name for a in node.names] if isinstance(node, ast.Import)
+                     else [node.module or ""] if isinstance(node, ast.ImportFrom) and node.level == 0 else [])
+            assert not any(n == "kvcli" or n.startswith("kvcli.") for n in names), (path.name, names)
+
+
+def test_every_store_publishes_a_layout():
+    for kind in ALL_TYPES:
+        for keys in (True, False):
+            layout = STORAGE_TYPES[kind](1, 1, 1, 64, 64, keys=keys).kernel_layout()
+            assert layout is not None and (layout.block_bytes == 0) == (kind in DENSE), kind
+
+
 @pytest.mark.parametrize("kind", ROW_TYPES)
 def test_quantize_on_write_equals_reference(kind):
     # positions 3..8 of a 12-position cache: the kernel writes only its rows, the rest stay as they were
@@ -69,7 +93,7 @@ def test_quantize_on_write_equals_reference(kind):
     fill = torch.randint(0, 255, (B, H, 12, _row_bytes(kind, D) * torch.empty(0, dtype=dtype).element_size()),
                          generator=torch.Generator().manual_seed(0), dtype=torch.uint8)
     out, ref = fill.clone().view(dtype), fill.clone().view(dtype)
-    quantize_into(kind, x, out, 3)
+    quantize_into(_layout(kind, D), x, out, 3)
     quantize_reference(kind, x, ref, 3)
     assert torch.equal(out.view(torch.uint8), ref.view(torch.uint8))
 
@@ -80,7 +104,7 @@ def test_quantize_head_dims(kind, D):
     x = torch.randn(1, 3, 2, D, generator=torch.Generator().manual_seed(D)) * 2
     out = torch.zeros(1, 2, 3, _row_bytes(kind, D), dtype=torch.uint8)
     ref = out.clone()
-    quantize_into(kind, x, out, 0)
+    quantize_into(_layout(kind, D), x, out, 0)
     quantize_reference(kind, x, ref, 0)
     assert torch.equal(out, ref)
 
@@ -89,22 +113,23 @@ def test_quantize_head_dims(kind, D):
 def test_hadamard_codes_equal_reference(D):
     """q4_hadamard's scale search: the kernel's codes and bf16 scales equal the store's own."""
     x = _adversarial(2, 5, 2, D)
-    u, d = quantize_codes(x)
+    u, d = quantize_codes(_layout("q4_hadamard", D), x)
     u_ref, d_ref = quantize_codes_reference(x)
     assert u.shape == u_ref.shape == (2, 5, 2, D) and d.shape == d_ref.shape == (2, 5, 2, D // 32)
     assert torch.equal(u, u_ref) and torch.equal(d, d_ref)
 
 
+@pytest.mark.parametrize("tile", [32, 64])
 @pytest.mark.parametrize("keys", [True, False])
-def test_store_hadamard_matches_the_store(monkeypatch, keys):
+def test_store_hadamard_matches_the_store(monkeypatch, keys, tile):
     """The store's Triton branch (rotation, sinks, offset, the kernel's scale search, then the
     store's packing into key or value tiles) equals its PyTorch path: the switch is forced on for
     CPU tensors, which the interpreter runs."""
     import kvcli.cache.hadamard as hadamard
 
     g = torch.Generator().manual_seed(3)
-    a = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 80, 64, keys=keys)
-    b = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 80, 64, keys=keys)
+    a = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 80, 64, keys=keys, tile=tile)
+    b = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 80, 64, keys=keys, tile=tile)
     steps = [(0, 6), (6, 1), (7, 30), (37, 1), (38, 40)]  # prefill past the sinks, decode, a second tile
     xs = [torch.randn(1, T, 2, 64, generator=g) for _, T in steps]
     for (pos, _), x in zip(steps, xs):
@@ -129,16 +154,25 @@ def _check(out, ref, kind):
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5, msg=lambda m: f"{kind}: {m}")
 
 
+@pytest.fixture(params=[64, 32], ids=["tile64", "tile32"])
+def tile(request, monkeypatch):
+    """q4_hadamard stores built with either int4 tile width, whatever this CPU's GEMM packs."""
+    monkeypatch.setattr(int4_gemm, "tile_width", lambda: request.param)
+    return request.param
+
+
 @pytest.mark.parametrize("kind", ALL_TYPES)
-def test_attention_every_type(kind):
+def test_attention_every_type(kind, tile):
     """GQA (4 query heads per KV head), batch 2, decode split in 3 and a 5-token prefill."""
+    if kind != "q4_hadamard" and tile == 32:
+        pytest.skip("the tile width is q4_hadamard's alone")
     B, H, Hkv, D, n = 2, 8, 2, 64, 37
     cache = _filled_cache(kind, kind, B, Hkv, D, n)
     g = torch.Generator().manual_seed(1)
     q = torch.randn(B, 1, H, D, generator=g)
-    _check(attend_kernel(q, cache, 0, n - 1, num_splits=3, block_n=16), attend_reference(q, cache, 0, n - 1), kind)
+    _check(attend_triton(q, cache, 0, n - 1, num_splits=3, block_n=16), attend_reference(q, cache, 0, n - 1), kind)
     q = torch.randn(B, 5, H, D, generator=g)
-    _check(attend_kernel(q, cache, 0, n - 5, block_n=16), attend_reference(q, cache, 0, n - 5), kind)
+    _check(attend_triton(q, cache, 0, n - 5, block_n=16), attend_reference(q, cache, 0, n - 5), kind)
 
 
 @pytest.mark.parametrize("kinds,B,H,Hkv,D,n", [
@@ -148,20 +182,31 @@ def test_attention_every_type(kind):
     (("q8_0", "q4_hadamard"), 1, 6, 2, 128, 100),  # G = 3: rows padded to a power of two
     (("q4_hadamard", "q4_hadamard"), 2, 2, 2, 32, 70),  # 32-element value tiles, a second key tile
 ])
-def test_attention_shapes(kinds, B, H, Hkv, D, n):
+def test_attention_shapes(kinds, B, H, Hkv, D, n, tile):
+    if "q4_hadamard" not in kinds and tile == 32:
+        pytest.skip("the tile width is q4_hadamard's alone")
     cache = _filled_cache(*kinds, B, Hkv, D, n, seed=n)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(B, 1, H, D, generator=g)
-    _check(attend_kernel(q, cache, 0, n - 1, block_n=32), attend_reference(q, cache, 0, n - 1), kinds[0])
+    _check(attend_triton(q, cache, 0, n - 1, block_n=32), attend_reference(q, cache, 0, n - 1), kinds[0])
     T = min(n, 7)  # prefill of the last T positions: causal w.r.t. pos + t
     q = torch.randn(B, T, H, D, generator=g)
-    _check(attend_kernel(q, cache, 0, n - T), attend_reference(q, cache, 0, n - T), kinds[0])
+    _check(attend_triton(q, cache, 0, n - T), attend_reference(q, cache, 0, n - T), kinds[0])
 
 
-def test_dispatcher():
+def test_dispatcher(monkeypatch):
+    import kvcli.attention
+
     cache = _filled_cache("q4_0", "q4_0", 1, 2, 32, 9)
     q = torch.randn(1, 1, 4, 32, generator=torch.Generator().manual_seed(4))
-    assert attend_cuda(q, cache, 0, 8) is None  # CPU tensors: not the kernels' business
-    torch.testing.assert_close(_attend(q, cache, 0, 8), attend(q, cache, 0, 8), rtol=1e-4, atol=1e-4)
-    cache.flash_attn = False  # -fa off: materialized scores, the reference's path
-    assert _attend(q, cache, 0, 8) is None
+    assert not use_triton(q)  # CPU tensors: not the kernels' business
+    assert kernel_covers(q, cache)
+    torch.testing.assert_close(attend_triton(q, cache, 0, 8), Attention()(q, cache, 0, 8), rtol=1e-4, atol=1e-4)
+    # the switch forced on: flash on runs the kernel, -fa off (materialized scores) the reference
+    monkeypatch.setattr(kvcli.attention, "use_triton", lambda t: True)
+    ran = []
+    monkeypatch.setattr(kvcli.attention, "attend_triton", lambda *a: ran.append(1) or attend_triton(*a))
+    torch.testing.assert_close(Attention(flash=True)(q, cache, 0, 8), attend_reference(q, cache, 0, 8),
+                               rtol=1e-4, atol=1e-4)
+    Attention(flash=False)(q, cache, 0, 8)
+    assert ran == [1]

@@ -8,11 +8,14 @@ CLI's choices come from `STORAGE_TYPES`.
 
 from __future__ import annotations
 
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import torch
 
+from kvcli.attention import Attention
 from kvcli.errors import KvcliError
+from kvcli.kernel_layout import KernelLayout
+from kvcli.memory import MIB
 
 STORAGE_TYPES: dict[str, type["Store"]] = {}
 ALIASES: dict[str, str] = {}
@@ -38,6 +41,14 @@ class Store:
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
         """The bytes a store of this shape allocates (the memory plan and `nbytes` agree)."""
         return n_layers * batch * n_ctx * kv_dim // cls.block_size * cls.block_bytes
+
+    def kernel_layout(self) -> KernelLayout | None:
+        """The constants the Triton kernels read this type with (kvcli/kernel_layout.py); None: no kernel."""
+        return None
+
+    def kernel_operands(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """The tensors of one layer the kernels read, in the launchers' order: data (B, Hkv, n_ctx, ...)."""
+        return (self.data[layer],)
 
     def to_storage(self, x: torch.Tensor) -> torch.Tensor:
         """Map a query (K store) into the space `load` returns vectors in; identity here."""
@@ -89,13 +100,30 @@ def resolve_type(name: str) -> type[Store]:
     return STORAGE_TYPES[key]
 
 
+class Cache(Protocol):
+    """The model's seam: what a block hands its K/V (or normed input x) to. KVCache and HiddenCache."""
+
+    n_layers: int
+    batch: int
+    n_ctx: int
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+                  pos: int) -> torch.Tensor:
+        """Store what the format keeps of positions pos..pos+T-1, then attend q (B, T, H, D) -> (B, T, H*D)."""
+        ...
+
+    def nbytes(self) -> int: ...
+
+    def describe(self) -> str: ...
+
+
 class KVCache:
     """K and V stores of one model; types chosen independently (llama.cpp's -ctk / -ctv)."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", flash_attn: bool = True):
+                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", attention: Attention | None = None):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
-        self.flash_attn = flash_attn  # attention: online softmax (on) or materialized scores (off)
+        self.attend = attention or Attention()  # how to attend (the -fa choice); the cache only holds it
         self.k = resolve_type(type_k)(*shape, device=device, keys=True)
         self.v = resolve_type(type_v)(*shape, device=device)
         self.n_layers, self.batch, self.n_ctx = n_layers, batch, n_ctx
@@ -113,20 +141,17 @@ class KVCache:
                   pos: int) -> torch.Tensor:
         """Store the new K/V (B, T, Hkv, D), then attend q (B, T, H, D) over the cache -> (B, T, H*D).
         x, the block's normed input, is unused here (the hidden-state cache stores it instead)."""
-        from kvcli.attention import attend
-
         self.store(layer, k, v, pos)
-        return attend(q, self, layer, pos)
+        return self.attend(q, self, layer, pos)
 
     def nbytes(self) -> int:
         return self.k.nbytes() + self.v.nbytes()
 
     def describe(self) -> str:
         """llama.cpp's start-up line for the KV cache."""
-        mib = 1024 * 1024
-        return (f"KV cache: size = {self.nbytes() / mib:7.2f} MiB ({self.n_ctx:6d} cells, {self.n_layers:3d} layers, "
-                f"{self.batch}/{self.batch} seqs), K ({self.k.name}): {self.k.nbytes() / mib:7.2f} MiB, "
-                f"V ({self.v.name}): {self.v.nbytes() / mib:7.2f} MiB")
+        return (f"KV cache: size = {self.nbytes() / MIB:7.2f} MiB ({self.n_ctx:6d} cells, {self.n_layers:3d} layers, "
+                f"{self.batch}/{self.batch} seqs), K ({self.k.name}): {self.k.nbytes() / MIB:7.2f} MiB, "
+                f"V ({self.v.name}): {self.v.nbytes() / MIB:7.2f} MiB")
 
     @staticmethod
     def bytes_needed(n_layers: int, batch: int, kv_dim: int, n_ctx: int, type_k: str, type_v: str) -> int:

@@ -12,13 +12,11 @@ pairs. The header columns (the fp16 scales) hold garbage that gets zero weight o
     the block's largest |q| (finer than rounding q to f16; llama.cpp rounds q to one int8 part).
   * Weighted sums run in f32 (the probabilities are too uneven for int8), on the bytes and their
     high nibbles as floats (low = byte - 16 high), stacked back into the plane's column order.
-Used for decode (few query rows); with many rows, dequantizing a chunk once costs less. Measured
-on SmolLM2 at depth 4096 (benchmarks/cache_decode.py, median of interleaved runs): decode +7%
-for q4_0 over dequantize-then-matmul; for q8_0 (dequantizing is one cast) it was 4% slower, so
-q8_0 keeps the dequantizing path. SmolLM2's few massive activation dimensions make the query
-split hardest; its decode logits differ from the dequantizing path by KL 2.6e-4, almost three
-orders below q4_0's own loss against f16. (q4_hadamard, whose layout is kvcli's own, stores its
-codes where torch's int4 GEMM reads them: kvcli/cache/int4_gemm.py.)
+Used for decode (few query rows); with many rows, dequantizing a chunk once costs less. q8_0
+keeps the dequantizing path (dequantizing it is one cast, so reading its bytes did not pay).
+A model's few massive activation dimensions make the query split hardest (SmolLM2 is the test
+case). Speed and KL figures: benchmarks/README.md. (q4_hadamard, whose layout is kvcli's own,
+stores its codes where torch's int4 GEMM reads them: kvcli/cache/int4_gemm.py.)
 """
 
 from __future__ import annotations

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import torch
 
-from kvcli.kernels import use_triton
+from kvcli.attention import use_triton
+from kvcli.kernel_layout import Kind, KernelLayout
 from kvcli.cache.base import Store
 
 
 class DenseStore(Store):
     dtype: torch.dtype
+    kind: int  # the kernels' KIND (kvcli/cache/layout.py)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -19,11 +21,14 @@ class DenseStore(Store):
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def kernel_layout(self) -> KernelLayout:
+        return KernelLayout(self.kind)
+
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        if use_triton(x):  # Triton write kernel (kernels/quantize.py); triton is imported only here
+        if use_triton(x):  # Triton write kernel; imported here so CPU users never import triton
             from kvcli.kernels.quantize import quantize_into
 
-            quantize_into(self.name, x, self.data[layer], pos)
+            quantize_into(self.kernel_layout(), x, self.data[layer], pos)
             return
         self.data[layer, :, :, pos : pos + x.shape[1]] = x.transpose(1, 2)
 
@@ -32,12 +37,12 @@ class DenseStore(Store):
 
 
 class F32Store(DenseStore):
-    name, block_bytes, dtype = "f32", 4, torch.float32
+    name, block_bytes, dtype, kind = "f32", 4, torch.float32, Kind.F32
 
 
 class F16Store(DenseStore):
-    name, block_bytes, dtype = "f16", 2, torch.float16
+    name, block_bytes, dtype, kind = "f16", 2, torch.float16, Kind.F16
 
 
 class BF16Store(DenseStore):
-    name, block_bytes, dtype = "bf16", 2, torch.bfloat16
+    name, block_bytes, dtype, kind = "bf16", 2, torch.bfloat16, Kind.BF16

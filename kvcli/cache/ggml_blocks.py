@@ -14,9 +14,10 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvcli.kernels import use_triton
+from kvcli.attention import use_triton
 from kvcli.cache import block_products
-from kvcli.cache.base import Store
+from kvcli.cache.base import STORAGE_TYPES, Store
+from kvcli.kernel_layout import Kind, KernelLayout
 
 # The one table of sizes: name -> (elements per block, bytes per block, scales included).
 # Bits per element = 8 * bytes / elements: q8_0 8.5, q4_0 4.5, q4_1 5, q5_0 5.5, q5_1 6, iq4_nl 4.5.
@@ -56,7 +57,7 @@ def _pack_nibbles(q: torch.Tensor) -> torch.Tensor:
 
 def _unpack_nibbles(qs: torch.Tensor) -> torch.Tensor:
     """(..., 16) uint8 -> (..., 32) uint8: low nibbles are elements 0..15, high ones 16..31."""
-    qs = qs.contiguous()  # uint8 ops on the strided slice are ~2x slower than this copy plus ops
+    qs = qs.contiguous()  # uint8 ops on the strided slice cost more than this copy plus ops
     return torch.cat([qs & 0x0F, qs >> 4], dim=-1)
 
 
@@ -118,6 +119,16 @@ class GgmlBlockStore(Store):
     also has a decode path that reads its bytes directly (kvcli/cache/block_products.py)."""
 
     reads_nibbles: ClassVar[bool] = False  # q4_0 layout: decode scores and sums from the bytes
+    # the block's fields for the kernels (ggml-common.h): KIND, fp16 m, 4 bytes of fifth bits, nibbles
+    kind: ClassVar[int]
+    m_offset: ClassVar[int] = 0
+    qh_offset: ClassVar[int] = 0
+    qs_offset: ClassVar[int] = 2
+    table: ClassVar[tuple[float, ...]] = ()
+
+    def kernel_layout(self) -> KernelLayout:
+        return KernelLayout(self.kind, self.block_bytes, d_offset=0, m_offset=self.m_offset,
+                                   qh_offset=self.qh_offset, qs_offset=self.qs_offset, table=self.table)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -176,10 +187,10 @@ class GgmlBlockStore(Store):
 
     def write(self, layer: int, x: torch.Tensor, pos: int) -> None:
         """Quantize x (B, T, Hkv, D) f32 into positions pos..pos+T-1."""
-        if use_triton(x):  # Triton quantize-on-write (kernels/quantize.py), byte-equal to quantize_blocks
+        if use_triton(x):  # Triton quantize-on-write, byte-equal to quantize_blocks; triton imported only here
             from kvcli.kernels.quantize import quantize_into
 
-            quantize_into(self.name, x, self.data[layer], pos)
+            quantize_into(self.kernel_layout(), x, self.data[layer], pos)
             return
         self.data[layer, :, :, pos : pos + x.shape[1]] = self.quantize_rows(x)
 
@@ -200,6 +211,7 @@ class GgmlBlockStore(Store):
 class Q8_0Store(GgmlBlockStore):
     name = "q8_0"
     block_size, block_bytes = GGML_BLOCKS[name]
+    kind = Kind.Q8_0
 
     @staticmethod
     def quantize_blocks(x):
@@ -215,6 +227,7 @@ class Q8_0Store(GgmlBlockStore):
 class Q4_0Store(GgmlBlockStore):
     name = "q4_0"
     block_size, block_bytes = GGML_BLOCKS[name]
+    kind = Kind.Q4_0
     reads_nibbles = True
 
     @staticmethod
@@ -230,6 +243,7 @@ class Q4_0Store(GgmlBlockStore):
 class Q4_1Store(GgmlBlockStore):
     name = "q4_1"
     block_size, block_bytes = GGML_BLOCKS[name]
+    kind, m_offset, qs_offset = Kind.Q4_1, 2, 4
 
     @staticmethod
     def quantize_blocks(x):
@@ -244,6 +258,7 @@ class Q4_1Store(GgmlBlockStore):
 class Q5_0Store(GgmlBlockStore):
     name = "q5_0"
     block_size, block_bytes = GGML_BLOCKS[name]
+    kind, qh_offset, qs_offset = Kind.Q5_0, 2, 6
 
     @staticmethod
     def quantize_blocks(x):
@@ -259,6 +274,7 @@ class Q5_0Store(GgmlBlockStore):
 class Q5_1Store(GgmlBlockStore):
     name = "q5_1"
     block_size, block_bytes = GGML_BLOCKS[name]
+    kind, m_offset, qh_offset, qs_offset = Kind.Q5_1, 2, 4, 8
 
     @staticmethod
     def quantize_blocks(x):
@@ -282,6 +298,7 @@ class IQ4_NLStore(GgmlBlockStore):
 
     name = "iq4_nl"
     block_size, block_bytes = GGML_BLOCKS[name]
+    kind, table = Kind.IQ4_NL, tuple(float(v) for v in KVALUES_IQ4NL)
 
     @staticmethod
     def quantize_blocks(x):
@@ -293,7 +310,7 @@ class IQ4_NLStore(GgmlBlockStore):
         hi = torch.bucketize(al, values, right=True).clamp_(1, 15)
         lo = hi - 1
         idx = torch.where(al - values.take(lo) < values.take(hi) - al, lo, hi)
-        q = values.take(idx)  # take: ~2x faster than values[idx] on CPU
+        q = values.take(idx)  # take: faster than values[idx] on CPU
         wq = (x * x) * q  # weight w = x^2; C evaluates w*q*x as (w*q)*x
         terms = torch.stack([wq * x, wq * q], dim=0).movedim(-1, 0)  # (32, 2, ...)
         sums = torch.zeros_like(terms[0])  # ggml: sumqx = sumq2 = 0, then += term by term
@@ -308,3 +325,17 @@ class IQ4_NLStore(GgmlBlockStore):
     def dequantize_blocks(blocks):
         values = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=blocks.device)
         return _f16_at(blocks, 0) * values.take(_unpack_nibbles(blocks[..., 2:]).long())
+
+
+def quantize_reference(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
+    """The PyTorch reference of the Triton write kernel (kvcli.kernels.quantize.quantize_into), same
+    arguments with the type's name for its layout: x (B, T, Hkv, D) f32 -> rows pos..pos+T-1 of dst
+    (B, Hkv, n_ctx, row_bytes or D), through the stores' own quantizers."""
+    B, T, H, D = x.shape
+    x = x.float()
+    store_cls = STORAGE_TYPES[kind]
+    if not issubclass(store_cls, GgmlBlockStore):  # dense: a cast
+        dst[:, :, pos : pos + T] = x.transpose(1, 2).to(dst.dtype)
+        return
+    blocks = store_cls.quantize_blocks(x.reshape(B, T, H, D // 32, 32))
+    dst[:, :, pos : pos + T] = blocks.reshape(B, T, H, -1).transpose(1, 2)

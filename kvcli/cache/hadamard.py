@@ -8,11 +8,13 @@ The format, in one place. For each layer, sequence and KV head, a head vector x 
      of a query (keys), and its weights sum to 1 (values);
   3. quantized in blocks of 32 elements: y = d (u - 8), u a 4-bit code, d a bf16 scale chosen
      from a small grid plus a least-squares refit to minimise the block's squared error (not
-     ggml's max/-8). Scales: (D / 32, n_pad) bf16 per head, n_pad = n_ctx rounded up to 64.
-     Codes, two per byte, in the tiles torch's int4 CPU GEMM reads (kvcli/cache/int4_gemm.py):
-       keys:   (n_pad / 64, D, 32) per head; byte (i, e, j) = element e of positions 64 i + j
-               (low nibble) and 64 i + j + 32 (high): decode scores are one GEMM per head;
-       values: (D / W, n_pad, W / 2) per head, W = min(64, D); byte (i, t, j) = elements
+     ggml's max/-8). Scales: (D / 32, n_pad) bf16 per head, n_pad = n_ctx rounded up to 64
+     (on every CPU, so the byte count does not depend on it).
+     Codes, two per byte, in the tiles torch's int4 CPU GEMM reads (kvcli/cache/int4_gemm.py),
+     of T = 64 or 32 rows as that GEMM packs them on the running CPU (`int4_gemm.tile_width()`):
+       keys:   (n_pad / T, D, T / 2) per head; byte (i, e, j) = element e of positions T i + j
+               (low nibble) and T i + j + T / 2 (high): decode scores are one GEMM per head;
+       values: (D / W, n_pad, W / 2) per head, W = min(T, D); byte (i, t, j) = elements
                W i + j (low) and W i + j + W / 2 (high) of position t: weighted sums likewise.
 The first N_SINK positions (attention sinks) are also kept as rotated f16 and used in place
 of their 4-bit copy. Attention compares keys in the rotated space (q is rotated once) and
@@ -26,9 +28,10 @@ import math
 
 import torch
 
-from kvcli.kernels import use_triton
+from kvcli.attention import use_triton
 from kvcli.cache import block_products, int4_gemm
 from kvcli.cache.base import Store
+from kvcli.kernel_layout import Kind, KernelLayout
 from kvcli.errors import KvcliError
 
 N_SINK = 4
@@ -72,9 +75,12 @@ def quantize_vectors(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return u.view(B, T, H, D), d.view(B, T, H, D // 32)
 
 
+PAD = 64  # positions are padded to a multiple of the widest tile, whatever the running CPU's tile width
+
+
 def _whole_tiles(n: int) -> int:
-    """n positions rounded up to whole 64-position tiles."""
-    return -(-n // 64) * 64
+    """n positions rounded up to a multiple of PAD (whole tiles of either width)."""
+    return -(-n // PAD) * PAD
 
 
 class HadamardQ4Store(Store):
@@ -83,19 +89,22 @@ class HadamardQ4Store(Store):
     name = "q4_hadamard"
     block_size, block_bytes = 32, 18  # 16 bytes of codes and a bf16 scale per 32 elements: 4.5 bits
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, tile: int | None = None, **kwargs):
+        """tile: T, the tile width (64 or 32); by default the one the running CPU's int4 GEMM packs, else 64."""
         super().__init__(*args, **kwargs)
         L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
         self.n_pad = _whole_tiles(n)
-        self.width = min(64, D)  # W: elements per value tile
-        shape = (self.n_pad // 64, D, 32) if self.keys else (D // self.width, self.n_pad, self.width // 2)
+        self.tile = tile or int4_gemm.tile_width() or PAD
+        tw = self.tile
+        self.width = min(tw, D)  # W: elements per value tile
+        shape = (self.n_pad // tw, D, tw // 2) if self.keys else (D // self.width, self.n_pad, self.width // 2)
         self.data = torch.zeros(L, B, H, *shape, dtype=torch.uint8, device=self.device)
         self.scale = torch.zeros(L, B, H, D // 32, self.n_pad, dtype=torch.bfloat16, device=self.device)
         self.rot = rotation(D).to(self.device)  # r = x @ rot.T
         self.sink = torch.zeros(L, B, H, min(N_SINK, n), D, dtype=torch.float16, device=self.device)
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
         self.offset_set = [False] * L
-        self._unit = None  # (n_pad / 32, 64, 2) bf16 unit scales for the value GEMM, made on first use
+        self._unit = None  # (n_pad / 32, W, 2) bf16 unit scales for the value GEMM, made on first use
 
     @classmethod
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
@@ -128,13 +137,22 @@ class HadamardQ4Store(Store):
             self.offset_set[layer] = True
         return r - self.offset[layer]
 
-    @staticmethod
-    def quantize(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """quantize_vectors, through its Triton kernel (kernels/quantize.py) on CUDA."""
+    def kernel_layout(self) -> KernelLayout:
+        kind = Kind.HADAMARD_KEYS if self.keys else Kind.HADAMARD_VALUES
+        return KernelLayout(kind, self.block_bytes, table=tuple(_SCALE_GRID.tolist()), n_sink=N_SINK,
+                                   tile=self.tile if self.keys else self.width)
+
+    def kernel_operands(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """codes (B, H, tiles...) uint8, scales (B, H, D / 32, n_pad) bf16, sinks (B, H, n_sink, D) f16,
+        offsets (B, H, D) f32."""
+        return self.data[layer], self.scale[layer], self.sink[layer], self.offset[layer, :, 0]
+
+    def quantize(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """quantize_vectors, through its Triton kernel on CUDA (imported there only: triton)."""
         if use_triton(y):
             from kvcli.kernels.quantize import quantize_codes
 
-            return quantize_codes(y)
+            return quantize_codes(self.kernel_layout(), y)
         return quantize_vectors(y)
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
@@ -151,35 +169,37 @@ class HadamardQ4Store(Store):
         """Codes u (B, T, H, D) and scales d (B, T, H, D / 32) into positions pos..pos+T-1."""
         B, T, H, D = u.shape
         self.scale[layer, :, :, :, pos : pos + T] = d.permute(0, 2, 3, 1)
-        if self.keys and T == 1:  # decode: one nibble of D bytes, positions pos and pos +- 32 share them
-            high = pos % 64 >= 32
-            col = self.data[layer, :, :, pos // 64, :, pos % 32]  # (B, H, D), a view
+        tw = self.tile
+        if self.keys and T == 1:  # decode: one nibble of D bytes, positions pos and pos +- T / 2 share them
+            high = pos % tw >= tw // 2
+            col = self.data[layer, :, :, pos // tw, :, pos % (tw // 2)]  # (B, H, D), a view
             col.copy_((col & (0x0F if high else 0xF0)) | (u[:, 0] << 4 if high else u[:, 0]))
         elif self.keys:  # rewrite the touched tiles
-            t0, t1 = pos // 64, -(-(pos + T) // 64)
-            tiles = self.data[layer, :, :, t0:t1]  # (B, H, nt, D, 32)
+            t0, t1 = pos // tw, -(-(pos + T) // tw)
+            tiles = self.data[layer, :, :, t0:t1]  # (B, H, nt, D, T / 2)
             codes = self._tile_codes(tiles)
-            codes[:, :, pos - 64 * t0 : pos - 64 * t0 + T] = u.transpose(1, 2)
-            tiles.copy_(int4_gemm.pack_pairs(codes.view(B, H, t1 - t0, 64, D).transpose(-1, -2)))
+            codes[:, :, pos - tw * t0 : pos - tw * t0 + T] = u.transpose(1, 2)
+            tiles.copy_(int4_gemm.pack_pairs(codes.view(B, H, t1 - t0, tw, D).transpose(-1, -2)))
         else:
             W = self.width
             u = u.reshape(B, T, H, D // W, W)
-            self.data[layer, :, :, :, pos : pos + T] = (u[..., : W // 2] | u[..., W // 2 :] << 4).permute(0, 2, 3, 1, 4)
+            self.data[layer, :, :, :, pos : pos + T] = int4_gemm.pack_pairs(u).permute(0, 2, 3, 1, 4)
 
     # ---- reading ----
     def _tile_codes(self, tiles: torch.Tensor) -> torch.Tensor:
-        """Key tiles (B, H, nt, D, 32) -> the codes of their 64 nt positions (B, H, 64 nt, D) uint8."""
+        """Key tiles (B, H, nt, D, T / 2) -> the codes of their T nt positions (B, H, T nt, D) uint8."""
         return int4_gemm.unpack_pairs(tiles).transpose(-1, -2).reshape(self.batch, self.n_heads, -1, self.head_dim)
 
     def codes(self, layer: int, start: int, end: int) -> torch.Tensor:
         """The codes of positions start..end-1 as (B, H, end - start, D) uint8."""
         B, H, D = self.batch, self.n_heads, self.head_dim
         if self.keys:
-            t0, t1 = start // 64, -(-end // 64)
-            return self._tile_codes(self.data[layer, :, :, t0:t1])[:, :, start - 64 * t0 : end - 64 * t0]
+            tw = self.tile
+            t0, t1 = start // tw, -(-end // tw)
+            return self._tile_codes(self.data[layer, :, :, t0:t1])[:, :, start - tw * t0 : end - tw * t0]
         W = self.width
         planes = self.data[layer, :, :, :, start:end]  # (B, H, D / W, n, W / 2)
-        u = torch.cat([planes & 15, planes >> 4], -1)  # (B, H, D / W, n, W)
+        u = int4_gemm.unpack_pairs(planes)  # (B, H, D / W, n, W)
         return u.transpose(2, 3).reshape(B, H, end - start, D)
 
     def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
@@ -197,9 +217,10 @@ class HadamardQ4Store(Store):
         return y
 
     def gemm(self, x: torch.Tensor) -> bool:
-        """Decode products through the int4 GEMM? A few query rows, on the CPU, a layout torch agrees on."""
+        """Decode products through the int4 GEMM? A few query rows, on the CPU, the tile width torch packs
+        (value tiles as wide as it: W = T)."""
         return (x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
-                and (self.keys or self.head_dim % 64 == 0) and int4_gemm.available())
+                and (self.keys or self.width == self.tile) and int4_gemm.tile_width() == self.tile)
 
     def scores(self, layer, q, start, end):
         if not self.gemm(q):
@@ -214,7 +235,7 @@ class HadamardQ4Store(Store):
         if not self.gemm(p):
             return super().weighted_sum(layer, p, start, end)
         if self._unit is None:
-            self._unit = torch.zeros(self.n_pad // 32, 64, 2, dtype=torch.bfloat16, device=p.device)
+            self._unit = torch.zeros(self.n_pad // 32, self.width, 2, dtype=torch.bfloat16, device=p.device)
             self._unit[..., 0] = 1
         sinks = self._sinks(layer, start, end)
         m = sinks.shape[2]

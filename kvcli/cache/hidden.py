@@ -18,12 +18,12 @@ from __future__ import annotations
 
 import torch
 
-from kvcli.kernels import use_triton
+from kvcli.attention import Attention
 from kvcli.cache.base import KVCache, Store, resolve_type
 from kvcli.errors import KvcliError
+from kvcli.memory import MIB
 
 HADAMARD_MAX = 256
-MIB = 1024 * 1024
 
 
 def store_head_dim(n_embd: int) -> int:
@@ -61,12 +61,12 @@ class HiddenCache:
     """Stores x per layer; `.attention` has KVCache's signature. Needs the Transformer's weights."""
 
     def __init__(self, config, batch: int, n_ctx: int, type_h: str = "f16", device: str = "cpu",
-                 flash_attn: bool = True, model=None):
+                 attention: Attention | None = None, model=None):
         if model is None:
             raise KvcliError("the hidden-state cache needs the model (its K/V weights and RoPE table)")
         c = self.config = config
         self.model = model  # blocks' wqkv and the rope table, read at attention time (no copies)
-        self.flash_attn = flash_attn
+        self.attend = attention or Attention()  # how to attend (the -fa choice); the cache only holds it
         self.n_layers, self.batch, self.n_ctx = c.n_layers, batch, n_ctx
         ds = store_head_dim(c.n_embd)
         self.h = resolve_type(type_h)(c.n_layers, batch, c.n_embd // ds, n_ctx, ds, device=device)
@@ -104,20 +104,12 @@ class HiddenCache:
         """Store x (B, T, n_embd), then attend q (B, T, H, D) over K/V rebuilt from the stored x.
         k and v, the block's own projections of this batch, are unused: the new positions are
         rebuilt from their stored (possibly lossy) x like every other."""
-        from kvcli.attention import attend_reference
-
         B, T, E = x.shape
         if pos + T > self.n_ctx:
             raise KvcliError(f"context full: {pos + T} tokens do not fit in a {self.n_ctx}-token cache")
         self.h.store(layer, x.float().reshape(B, T, self.h.n_heads, self.h.head_dim), pos)
         self._pair_key = None  # the stored contents changed
-        if use_triton(q):  # Triton decode kernel; imported here so CPU users never import triton
-            from kvcli.kernels.hidden import attend_hidden_cuda
-
-            out = attend_hidden_cuda(q, self, layer, pos)
-            if out is not None:
-                return out
-        return attend_reference(q, self, layer, pos, flash=self.flash_attn)
+        return self.attend.hidden(q, self, layer, pos)
 
     def load_x(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Stored x of positions start..end-1 as (B, end - start, n_embd) f32, back in the model's space."""
@@ -129,15 +121,7 @@ class HiddenCache:
         key = (layer, start, end)
         if self._pair_key == key:
             return self._pair
-        c, block = self.config, self.model.blocks[layer]
-        w = block.wqkv[block.q_dim :]  # (2 * kv_dim, n_embd): the K and V rows of the fused projection
-        from kvcli.model import apply_rope, linear
-
-        kv = linear(self.load_x(layer, start, end), w)  # (B, n, 2 * kv_dim), as the block multiplies
-        B, n = kv.shape[:2]
-
-        k = apply_rope(kv[..., : c.kv_dim].reshape(B, n, c.n_kv_heads, c.head_dim), self.model.rot[start:end])
-        v = kv[..., c.kv_dim :].reshape(B, n, c.n_kv_heads, c.head_dim)
+        k, v = self.model.blocks[layer].project_kv(self.load_x(layer, start, end), self.model.rot[start:end])
         self._pair_key, self._pair = key, (k.transpose(1, 2), v.transpose(1, 2))
         return self._pair
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcli.attention import Attention
 from kvcli.cache.base import KVCache, resolve_type
 from kvcli.cache.hidden import HiddenCache
 from kvcli.errors import KvcliError
@@ -35,6 +36,10 @@ class CacheSpec:
         if self.mode == "hidden":
             return f"hidden {self.type_h}"
         return f"kv {self.type_k}/{self.type_v}" if self.mode == "kv" else f"auto {self.type_k}/{self.type_v}/{self.type_h}"
+
+    def nbytes(self, config, n_ctx: int, n_seq: int = 1) -> int:
+        """cache_bytes(config, self, n_ctx, n_seq): what a cache of this choice allocates."""
+        return cache_bytes(config, self, n_ctx, n_seq)
 
     def bits_per_element(self) -> float:
         """Bits per cached element (hidden: of x; kv: the mean of K's and V's)."""
@@ -78,11 +83,12 @@ def cache_bytes(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1) -> int:
     return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v)
 
 
-def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str = "cpu", flash_attn: bool = True,
-               model=None):
-    """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`)."""
+def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str = "cpu",
+               attention: Attention | None = None, model=None):
+    """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`);
+    attention: how it attends (kvcli.attention.Attention, the -fa choice; default flash on)."""
     c, s = config, spec.resolved(config, n_ctx)
     if s.mode == "hidden":
-        return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, flash_attn=flash_attn, model=model)
+        return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, attention=attention, model=model)
     return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
-                   flash_attn=flash_attn)
+                   attention=attention)

@@ -1,0 +1,35 @@
+"""What a store's Triton kernels need to know of its bytes: ggml's type traits, as a record.
+
+Each cache Store returns one from `kernel_layout()` (None: no kernel reads it); the launchers
+in kvcli.kernels take tensors plus these constants and import nothing from kvcli. KIND says
+how a vector is decoded; the offsets say where a 32-element block keeps its fields.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+
+class Kind:
+    """The kernels' KIND codes: one constexpr branch for each way of decoding a vector."""
+
+    F32, F16, BF16 = 0, 1, 2
+    Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL = 3, 4, 5, 6, 7, 8
+    HADAMARD_KEYS, HADAMARD_VALUES = 9, 10  # q4_hadamard's codes: position tiles (K) or element tiles (V)
+
+
+DENSE_KINDS = (Kind.F32, Kind.F16, Kind.BF16)
+
+
+@dataclass(frozen=True)
+class KernelLayout:
+    kind: int  # a Kind code
+    block_bytes: int = 0  # bytes per 32-element block, scales included; 0: dense, one value per element
+    d_offset: int = 0  # byte offset of the block's fp16 scale d
+    m_offset: int = 0  # byte offset of its fp16 minimum m (q4_1, q5_1)
+    qh_offset: int = 0  # byte offset of its 4 bytes of fifth bits (q5_0, q5_1)
+    qs_offset: int = 0  # byte offset of its nibbles (q8_0: its 32 int8 values)
+    table: tuple[float, ...] = ()  # iq4_nl: the codebook; q4_hadamard: the scale grid its quantizer tries
+    n_sink: int = 0  # q4_hadamard: leading positions read from the f16 sink tensor instead of the codes
+    tile: int = 0  # q4_hadamard: T, positions (keys) or elements (values, min(T, D)) per int4 tile
