@@ -20,9 +20,11 @@ H, HKV, D = 32, 8, 128
 
 
 def check(types) -> bool:
-    from kvcli.kernels.attention import attend_kernel, attend_reference
-    from kvcli.kernels.quantize import quantize_codes, quantize_codes_reference, quantize_into, quantize_reference
+    from kvcli.attention import attend_reference, attend_triton
+    from kvcli.kernels.quantize import quantize_codes, quantize_into
     from kvcli.cache import KVCache
+    from kvcli.cache.ggml_blocks import quantize_reference
+    from kvcli.cache.hadamard import quantize_vectors as quantize_codes_reference
 
     ok = True
     g = torch.Generator(device="cuda").manual_seed(0)
@@ -31,12 +33,12 @@ def check(types) -> bool:
         x = torch.randn(1, 512, HKV, D, device="cuda", generator=g) * 3
         cache = KVCache(1, 1, HKV, 1024, D, kind, kind, device="cuda")
         if kind == "q4_hadamard":  # codes and scales (the store packs them into its tiles)
-            (u, d), (u_ref, d_ref) = quantize_codes(x), quantize_codes_reference(x)
+            (u, d), (u_ref, d_ref) = quantize_codes(cache.k.kernel_layout(), x), quantize_codes_reference(x)
             same = torch.cat([(u == u_ref).flatten(), (d == d_ref).flatten()]).float().mean().item()
         else:
             dst = cache.k.data[0]
             out, ref = torch.zeros_like(dst), torch.zeros_like(dst)
-            quantize_into(kind, x, out, 0)
+            quantize_into(cache.k.kernel_layout(), x, out, 0)
             quantize_reference(kind, x, ref, 0)
             same = (out.view(torch.uint8) == ref.view(torch.uint8)).float().mean().item()
         # attention: decode at depth 1000 and a 24-token prefill, kernel against the reference
@@ -44,8 +46,8 @@ def check(types) -> bool:
         cache.store(0, k, v, 0)  # through the stores' CUDA branch (the kernels)
         q1 = torch.randn(1, 1, H, D, device="cuda", generator=g)
         qp = torch.randn(1, 24, H, D, device="cuda", generator=g)
-        e1 = (attend_kernel(q1, cache, 0, 999) - attend_reference(q1, cache, 0, 999)).abs().max().item()
-        ep = (attend_kernel(qp, cache, 0, 976) - attend_reference(qp, cache, 0, 976)).abs().max().item()
+        e1 = (attend_triton(q1, cache, 0, 999) - attend_reference(q1, cache, 0, 999)).abs().max().item()
+        ep = (attend_triton(qp, cache, 0, 976) - attend_reference(qp, cache, 0, 976)).abs().max().item()
         good = same == 1.0 and e1 < 1e-3 and ep < 1e-3
         ok &= good
         print(f"{kind:12s} quantize bytes equal {same * 100:8.4f}%   decode max|err| {e1:.2e}   "
@@ -67,8 +69,7 @@ def timed(fn, reps: int = 50) -> float:
 
 
 def bench(types, depths) -> None:
-    from kvcli.kernels.attention import attend_kernel
-    from kvcli.attention import attend_reference
+    from kvcli.attention import attend_reference, attend_triton
     from kvcli.cache import KVCache
 
     print(f"\ndecode attention, one layer, B=1, {H} q heads / {HKV} kv heads, D={D}, {torch.cuda.get_device_name()}")
@@ -81,7 +82,7 @@ def bench(types, depths) -> None:
                 cache.store(0, torch.randn(1, n, HKV, D, device="cuda"), torch.randn(1, n, HKV, D, device="cuda"), c0)
             q = torch.randn(1, 1, H, D, device="cuda")
             pos = depth - 1
-            t = timed(lambda: attend_kernel(q, cache, 0, pos))
+            t = timed(lambda: attend_triton(q, cache, 0, pos))
             t_ref = timed(lambda: attend_reference(q, cache, 0, pos), reps=5)
             read = cache.nbytes() * depth / (depth + 1)  # K and V bytes of the positions attended
             print(f"{kind:12s} {depth:6d} {t * 1e6:10.1f} {read / t / 1e9:8.1f} {t_ref * 1e6:13.1f} {1 / t:12.0f}")
