@@ -7,7 +7,12 @@
 #   bash benchmarks/gpu.sh [quick]      # quick: fewer depths and repetitions
 set -euo pipefail
 cd "$(dirname "$0")/.."
-export PYTHONUNBUFFERED=1 PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+# kvcli is not installed there: lay the import tree the distribution installs (kernels/ and convert/
+# as kvcli.kernels and kvcli.convert) out of symlinks, and put it on the path.
+STAGE=$(mktemp -d); mkdir "$STAGE/kvcli"
+for f in "$PWD"/kvcli/*; do ln -s "$f" "$STAGE/kvcli/"; done
+ln -s "$PWD/kernels" "$STAGE/kvcli/kernels"; ln -s "$PWD/convert" "$STAGE/kvcli/convert"
+export PYTHONUNBUFFERED=1 PYTHONPATH="$STAGE${PYTHONPATH:+:$PYTHONPATH}"
 python3 -c "import torch, triton; assert torch.cuda.is_available(), 'no CUDA GPU'; print(torch.__version__, triton.__version__, torch.cuda.get_device_name())"
 nvidia-smi --query-gpu=name,memory.total,clocks.max.memory --format=csv || true
 R=3; DEPTHS=0,4096,32768; BIG=4096,32768

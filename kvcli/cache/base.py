@@ -31,6 +31,8 @@ class Store:
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
         if "name" in cls.__dict__:
+            if cls.name in STORAGE_TYPES:  # a silent replacement would change what -ctk NAME means
+                raise KvcliError(f"cache type {cls.name!r} is already registered by {STORAGE_TYPES[cls.name].__qualname__}")
             STORAGE_TYPES[cls.name] = cls
 
     @classmethod
