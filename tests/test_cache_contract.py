@@ -6,13 +6,17 @@ another scale rule, registered inside this file) runs through exactly the same c
 
 from __future__ import annotations
 
-import math
+import os
 import re
+import sys
+import warnings
 from contextlib import contextmanager
 from types import SimpleNamespace
 
 import pytest
 import torch
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
 
 from kvcli.cache import STORAGE_TYPES, CacheSpec, KVCache, cache_bytes
 from kvcli.cache.base import Store
@@ -134,7 +138,40 @@ def check_round_trip(cls: type[Store]) -> None:
         assert err <= bound, f"{cls.name}: relative RMS error {err:.2e} over the {bound:.2e} its bits allow"
 
 
-CHECKS = [check_bytes, check_chunked_loads, check_store_pair, check_products, check_round_trip]
+def check_triton(cls: type[Store]) -> None:
+    """Where a kernel reads the type (it publishes a KernelLayout): under the Triton interpreter, the
+    store's Triton write leaves the same state as its PyTorch write, and attention through the
+    kernel equals the library's reference to f32 precision."""
+    if cls(1, 1, 1, 1, D).kernel_layout() is None:
+        return
+    pytest.importorskip("triton", reason="triton is not installed; the kernels need it")
+    from kvcli.attention import attend_reference, attend_triton
+    from kvcli.cache import block_products
+
+    n, hkv = 24, 2
+    x = _vectors(n, seed=9)[:1, :, :hkv]  # (1, n, 2, D)
+    module = sys.modules[cls.__module__]
+    for keys in (True, False):
+        cpu, kernel = cls(1, 1, hkv, n, D, keys=keys), cls(1, 1, hkv, n, D, keys=keys)
+        with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+            warnings.simplefilter("ignore", RuntimeWarning)  # masked-out lanes the interpreter still computes
+            _fill(cpu, x, layer=0)
+            mp.setattr(module, "use_triton", lambda t: True)
+            _fill(kernel, x, layer=0)
+        for name, t in vars(cpu).items():
+            if isinstance(t, torch.Tensor):
+                assert torch.equal(t, getattr(kernel, name)), f"{cls.name} keys={keys}: {name} differs"
+    cache = KVCache(1, 1, hkv, n, D, cls.name, cls.name)
+    cache.store(0, x, _vectors(n, seed=10)[:1, :, :hkv], 0)
+    q = torch.randn(1, 3, 2 * hkv, D, generator=torch.Generator().manual_seed(11))
+    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        warnings.simplefilter("ignore", RuntimeWarning)
+        mp.setattr(block_products, "MAX_ROWS", 0)  # the exact (dequantizing) reference
+        out, ref = attend_triton(q, cache, 0, n - 3, block_n=16), attend_reference(q, cache, 0, n - 3)
+    torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
+
+
+CHECKS = [check_bytes, check_chunked_loads, check_store_pair, check_products, check_round_trip, check_triton]
 
 
 @pytest.mark.parametrize("check", CHECKS, ids=lambda c: c.__name__)

@@ -120,13 +120,15 @@ class GgmlBlockStore(Store):
 
     reads_nibbles: ClassVar[bool] = False  # q4_0 layout: decode scores and sums from the bytes
     # the block's fields for the kernels (ggml-common.h): KIND, fp16 m, 4 bytes of fifth bits, nibbles
-    kind: ClassVar[int]
+    kind: ClassVar[int | None] = None  # None: no kernel reads this type (a new type may start so)
     m_offset: ClassVar[int] = 0
     qh_offset: ClassVar[int] = 0
     qs_offset: ClassVar[int] = 2
     table: ClassVar[tuple[float, ...]] = ()
 
-    def kernel_layout(self) -> KernelLayout:
+    def kernel_layout(self) -> KernelLayout | None:
+        if self.kind is None:
+            return None
         return KernelLayout(self.kind, self.block_bytes, d_offset=0, m_offset=self.m_offset,
                                    qh_offset=self.qh_offset, qs_offset=self.qs_offset, table=self.table)
 
@@ -170,7 +172,7 @@ class GgmlBlockStore(Store):
         """K here, V in `other` (same type), quantized in one pass: the quantizer's few dozen small ops
         run once per token instead of twice."""
         x, y = x.float(), y.float()
-        if use_triton(x):
+        if self.triton(x):
             self.write(layer, x, pos)
             other.write(layer, y, pos)
             return
@@ -178,6 +180,10 @@ class GgmlBlockStore(Store):
         blocks = self.quantize_rows(torch.cat([x, y]))  # (2B, Hkv, T, row_bytes)
         self.data[layer, :, :, pos : pos + T] = blocks[:B]
         other.data[layer, :, :, pos : pos + T] = blocks[B:]
+
+    def triton(self, x: torch.Tensor) -> bool:
+        """Write through the Triton kernel: on CUDA, for a type a kernel reads."""
+        return use_triton(x) and self.kind is not None
 
     def quantize_rows(self, x: torch.Tensor) -> torch.Tensor:
         """(B, T, Hkv, D) f32 -> (B, Hkv, T, row_bytes): quantized before the transpose, on fewer bytes."""
@@ -187,7 +193,7 @@ class GgmlBlockStore(Store):
 
     def write(self, layer: int, x: torch.Tensor, pos: int) -> None:
         """Quantize x (B, T, Hkv, D) f32 into positions pos..pos+T-1."""
-        if use_triton(x):  # Triton quantize-on-write, byte-equal to quantize_blocks; triton imported only here
+        if self.triton(x):  # Triton quantize-on-write, byte-equal to quantize_blocks; triton imported only here
             from kvcli.kernels.quantize import quantize_into
 
             quantize_into(self.kernel_layout(), x, self.data[layer], pos)
