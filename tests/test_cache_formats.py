@@ -16,7 +16,7 @@ import torch
 from kvcli.cache import STORAGE_TYPES, KVCache, resolve_type
 from kvcli.cache.ggml_blocks import GGML_BLOCKS, GROUP_MAX_EPS, KVALUES_IQ4NL
 
-TYPES = ["q8_0", "q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl"]
+TYPES = list(GGML_BLOCKS)  # the ggml block types, compared with gguf-py and libggml
 BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "iq4_nl": 4.5}  # llama.cpp's bpw
 B, T, H, D = 2, 24, 3, 64  # 288 blocks of 32
 LAYER, POS, N_CTX = 1, 7, 40
