@@ -7,75 +7,24 @@ imported inside the commands so that `kvcli --help` is instant.
 from __future__ import annotations
 
 import sys
-from contextlib import contextmanager
 from pathlib import Path
 from typing import Optional
 
 import typer
 from rich.console import Console
 
+from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt, cache_spec,
+                              ctx_option, log, parse_flash_attn, read_prompt, resolve_model, user_errors)
+from kvcli.commands.convert import convert_command
+from kvcli.commands.perplexity import perplexity_command
 from kvcli.errors import KvcliError
-from kvcli.memory import WORKING_BYTES
-
-WORKING_MIB = WORKING_BYTES // 2**20
+from kvcli.memory import MIB, WORKING_BYTES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run Llama-family GGUF models with a small KV cache (llama.cpp-style flags).")
-err = Console(stderr=True, highlight=False)
-
-
-@contextmanager
-def user_errors():
-    """KvcliError -> one line on stderr and exit code 1; never a traceback."""
-    try:
-        yield
-    except KvcliError as e:
-        err.print(f"[bold red]error:[/] {e}", markup=True, soft_wrap=True)
-        raise typer.Exit(1) from None
-
-
-def log(line: str) -> None:
-    err.print(line, markup=False, soft_wrap=True)
-
-
-def resolve_model(model: Optional[Path]) -> Path:
-    from kvcli.models import pull_default
-
-    if model is None:
-        return pull_default(log=log)
-    if not model.exists():
-        raise KvcliError(f"model file not found: {model}")
-    return model
-
-
-def read_prompt(prompt: Optional[str], file: Optional[Path], encoding: str = "utf-8") -> str:
-    if prompt is not None and file is not None:
-        raise KvcliError("give the prompt with -p or -f, not both")
-    if file is None:
-        return prompt or ""
-    if not file.is_file():
-        raise KvcliError(f"prompt file not found: {file}")
-    data = file.read_bytes()
-    try:
-        return data.decode(encoding)
-    except UnicodeDecodeError as e:
-        raise KvcliError(f"{file} is not valid {encoding} (byte offset {e.start}); pass --encoding") from None
-    except LookupError:
-        raise KvcliError(f"unknown --encoding {encoding!r}") from None
-
-
-def parse_flash_attn(value: str) -> bool:
-    """llama.cpp's -fa on|off|auto (auto = on: the streamed path is never worse here)."""
-    if value not in ("on", "off", "auto"):
-        raise KvcliError(f"-fa/--flash-attn takes on, off or auto, not {value!r}")
-    return value != "off"
-
-
-ModelOpt = typer.Option(None, "-m", "--model", help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).")
-CtkOpt = typer.Option("f16", "-ctk", "--cache-type-k", help="K cache storage type.")
-CtvOpt = typer.Option("f16", "-ctv", "--cache-type-v", help="V cache storage type.")
-FlashOpt = typer.Option("auto", "-fa", "--flash-attn", help="on: online-softmax attention over cache chunks; off: materialized scores; auto = on.")
-ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (default: torch's choice).")
+app.command("convert", help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)
+app.command("perplexity", help="Perplexity and KL divergence over a text file, llama-perplexity's method; "
+                               "--sweep compares cache types.")(perplexity_command)
 
 
 @app.command()
@@ -89,12 +38,13 @@ def pull(force: bool = typer.Option(False, "--force", help="Fetch again even if 
 
 @app.command()
 def run(
+    model_arg: Optional[Path] = ModelArg,
     model: Optional[Path] = ModelOpt,
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
     encoding: str = typer.Option("utf-8", "--encoding", help="Encoding of the -f file."),
     n_predict: int = typer.Option(-1, "-n", "--n-predict", help="Tokens to generate (-1: until end of text or context)."),
-    ctx_size: int = typer.Option(4096, "-c", "--ctx-size", help="Context size in tokens (0: the model's)."),
+    ctx_size: int = ctx_option(4096, "Context size in tokens (0: the model's)."),
     batch_size: int = typer.Option(512, "-b", "--batch-size", help="Prompt tokens per forward pass."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k"),
@@ -106,35 +56,29 @@ def run(
     threads: Optional[int] = ThreadsOpt,
     conversation: bool = typer.Option(False, "-cnv", "--conversation", help="Interactive chat through the model's chat template."),
     system_prompt: Optional[str] = typer.Option(None, "-sys", "--system-prompt", help="System message for -cnv."),
-    cache_type_k: Optional[str] = typer.Option(None, "-ctk", "--cache-type-k", help="K cache storage type (default f16)."),
-    cache_type_v: Optional[str] = typer.Option(None, "-ctv", "--cache-type-v", help="V cache storage type (default f16)."),
-    cache_mode: str = typer.Option("kv", "--cache-mode", help="kv: cache K and V; hidden: cache each layer's normed input and rebuild K/V; auto: hidden where smaller."),
-    cache_type_h: Optional[str] = typer.Option(None, "-cth", "--cache-type-h", help="Hidden-state cache storage type (default f16)."),
+    cache_type_k: Optional[str] = CtkOpt,
+    cache_type_v: Optional[str] = CtvOpt,
+    cache_mode: str = CacheModeOpt,
+    cache_type_h: Optional[str] = CthOpt,
     flash_attn: str = FlashOpt,
     dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights: f32 or f16."),
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt."),
 ):
     """Generate text from a prompt, or chat with -cnv (llama-cli / llama-completion)."""
     with user_errors():
-        from kvcli.cache import resolve_type, validate_cache_flags
-
-        # None = not given: -ctk/-ctv in hidden mode or -cth in kv mode is an error, not ignored
-        validate_cache_flags(cache_mode, cache_type_k is not None, cache_type_v is not None, cache_type_h is not None)
-        cache_type_k, cache_type_v, cache_type_h = (t or "f16" for t in (cache_type_k, cache_type_v, cache_type_h))
-        for t in (cache_type_k, cache_type_v, cache_type_h):
-            resolve_type(t)  # bad names fail before loading
+        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)  # bad flags fail before loading
         text = read_prompt(prompt, file, encoding)
         if not conversation and not text:
             raise KvcliError("empty prompt: give one with -p or -f, or chat with -cnv")
-        path = resolve_model(model)
+        path = resolve_model(model_arg, model)
 
         from kvcli.chat import chat_loop, complete
         from kvcli.generate import Sampler
         from kvcli.llama import Llama
 
-        llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=cache_type_k, cache_type_v=cache_type_v,
+        llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
                     batch_size=batch_size, threads=threads, flash_attn=parse_flash_attn(flash_attn), log=log,
-                    cache_mode=cache_mode, cache_type_h=cache_type_h)
+                    cache_mode=spec.mode, cache_type_h=spec.type_h)
         c = llm.config
         log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
             f"{llm.n_ctx} ctx, {dtype} compute, loaded in {llm.load_seconds:.2f} s)")
@@ -147,11 +91,6 @@ def run(
     raise typer.Exit(code)
 
 
-from kvcli.convert.command import convert_command  # noqa: E402  (imports torch lazily)
-from kvcli.perplexity import perplexity_command  # noqa: E402  (imports torch lazily)
-
-app.command("convert", help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)
-app.command("perplexity", help="Perplexity and KL divergence over a text file, llama-perplexity's method; --sweep compares cache types.")(perplexity_command)
 
 
 
@@ -167,14 +106,14 @@ def _rich_table(title: str, columns: list[str], rows: list[list[str]]):
 
 
 @app.command()
-def info(model: Optional[Path] = ModelOpt,
+def info(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
          dtype: str = typer.Option("f16", "--dtype", help="Compute dtype the weight bytes are given for.")):
     """Model metadata, weight types and bytes, and the cache bytes per token of every cache choice."""
     with user_errors():
         from kvcli.fit import cache_bytes, choices, weight_bytes
         from kvcli.gguf_file import open_gguf
 
-        g = open_gguf(resolve_model(model))
+        g = open_gguf(resolve_model(model_arg, model))
         c = g.config
         out = Console(highlight=False)
         out.print(f"model: {Path(g.path).name}  ({g.metadata.get('general.name', '?')})")
@@ -182,17 +121,17 @@ def info(model: Optional[Path] = ModelOpt,
                   f"{c.n_kv_heads} (head dim {c.head_dim}), vocab {c.vocab_size}, trained context {c.context_length}, "
                   f"rope base {c.rope_base:g}, rms eps {c.rms_eps:g}")
         types = ", ".join(f"{n} x {t}" for t, n in sorted(g.weight_types().items()))
-        out.print(f"weights: {types}; {g.weight_bytes() / 2**20:.2f} MiB in the file, "
-                  f"{weight_bytes(g, dtype) / 2**20:.2f} MiB in memory at --dtype {dtype}")
+        out.print(f"weights: {types}; {g.weight_bytes() / MIB:.2f} MiB in the file, "
+                  f"{weight_bytes(g, dtype) / MIB:.2f} MiB in memory at --dtype {dtype}")
         rows = [[ch.label, f"{ch.bits_per_element():.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
-                 f"{cache_bytes(c, ch, 32768) / 2**20:,.1f}"] for ch in choices()]
+                 f"{cache_bytes(c, ch, 32768) / MIB:,.1f}"] for ch in choices()]
         out.print(_rich_table("cache bytes per token", ["cache", "bits", "bytes/token", "MiB @ 32k"], rows))
 
 
 @app.command()
-def fit(model: Optional[Path] = ModelOpt,
+def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         mem: str = typer.Option(..., "--mem", help="Memory budget, e.g. 8GiB, 512MiB."),
-        ctx: int = typer.Option(0, "--ctx", "-c", help="Context wanted (0: the model's trained context)."),
+        ctx: int = ctx_option(0, "Context wanted (0: the model's trained context)."),
         sweep: Optional[Path] = typer.Option(None, "--sweep", help="JSON from `kvcli perplexity --sweep --json`."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda (the budget is that device's memory)."),
         dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights.")):
@@ -204,13 +143,13 @@ def fit(model: Optional[Path] = ModelOpt,
         if device not in ("cpu", "cuda"):
             raise KvcliError(f"--device takes cpu or cuda, not {device!r}")
         budget = parse_bytes(mem)
-        g = open_gguf(resolve_model(model))
+        g = open_gguf(resolve_model(model_arg, model))
         wanted = ctx or g.config.context_length
         wb = weight_bytes(g, dtype)
         rows, best = fit_table(g.config, wb, budget, wanted, load_sweep(sweep))
         out = Console(highlight=False)
         out.print(f"{Path(g.path).name} on {device}: budget {budget / 2**30:.2f} GiB, weights {wb / 2**30:.2f} GiB "
-                  f"(--dtype {dtype}), working buffers {WORKING_MIB} MiB")
+                  f"(--dtype {dtype}), working buffers {WORKING_BYTES // MIB} MiB")
         table = [[r["choice"], f"{r['bits']:.2f}", f"{r['bytes_per_token']:,.0f}", f"{r['max_ctx']:,}",
                   "-" if r["kld"] is None else f"{r['kld']:.6f}"] for r in rows]
         out.print(_rich_table("largest context per cache choice", ["cache", "bits", "bytes/token", "max ctx", "KLD"], table))
@@ -223,7 +162,7 @@ def fit(model: Optional[Path] = ModelOpt,
 
 
 @app.command()
-def bench(model: Optional[Path] = ModelOpt,
+def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
           n_prompt: str = typer.Option("512", "-p", "--n-prompt", help="Prompt lengths (comma list)."),
           n_gen: str = typer.Option("128", "-n", "--n-gen", help="Generation lengths (comma list)."),
           depth: str = typer.Option("0", "-d", "--n-depth", help="Cache depths (comma list)."),
@@ -264,7 +203,7 @@ def bench(model: Optional[Path] = ModelOpt,
             from kvcli.shapes import shape_config
 
             shape_config(shape)  # a clear error for an unknown name
-        path = resolve_model(model) if shape is None else None
+        path = resolve_model(model_arg, model) if shape is None else None
 
         import torch
 

@@ -9,7 +9,7 @@ from pathlib import Path
 
 from kvcli.cache import CacheSpec, cache_bytes
 from kvcli.errors import KvcliError
-from kvcli.memory import WORKING_BYTES
+from kvcli.memory import WORKING_BYTES, largest_context
 
 UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
@@ -37,17 +37,6 @@ def choices() -> list[CacheSpec]:
     kv = [CacheSpec("kv", t, t) for t in types] + [CacheSpec("kv", "q8_0", "q4_hadamard"),
                                                    CacheSpec("kv", "q4_hadamard", "f16")]
     return kv + [CacheSpec("hidden", type_h=t) for t in types]
-
-
-def largest_context(config, spec: CacheSpec, room: int) -> int:
-    """The most tokens n with cache_bytes(n) <= room (bytes are affine in n past a few sink cells)."""
-    if room <= 0:
-        return 0
-    per_token = (cache_bytes(config, spec, 2048) - cache_bytes(config, spec, 1024)) / 1024
-    n = max(0, int((room - (cache_bytes(config, spec, 1024) - 1024 * per_token)) // per_token))
-    while n > 0 and cache_bytes(config, spec, n) > room:  # guard the rounding
-        n -= 1
-    return n
 
 
 def load_sweep(path: Path | None) -> dict[tuple[str, str], dict]:

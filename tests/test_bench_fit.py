@@ -8,7 +8,8 @@ from kvcli.bench import combinations, run_bench, to_csv, to_json, to_markdown
 from kvcli.config import ModelConfig
 from kvcli.errors import KvcliError
 from kvcli.cache import CacheSpec
-from kvcli.fit import cache_bytes, choices, fit_table, largest_context, parse_bytes
+from kvcli.fit import cache_bytes, choices, fit_table, parse_bytes
+from kvcli.memory import largest_context
 from kvcli.memory import WORKING_BYTES
 
 SMOL = ModelConfig(arch="llama", n_layers=30, n_embd=576, n_ff=1536, n_heads=9, n_kv_heads=3, head_dim=64,

@@ -6,6 +6,7 @@ another scale rule, registered inside this file) runs through exactly the same c
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -253,7 +254,7 @@ def test_toy_type_keeps_the_contract(check):
     assert "q8_toy" not in STORAGE_TYPES
 
 
-def test_toy_type_is_a_cache_choice_everywhere(tiny32):
+def test_toy_type_is_a_cache_choice_everywhere(tiny32, tmp_path):
     """Registered, the toy is a -ctk choice, a row of `kvcli info`, and a pair of `--sweep all`."""
     from typer.testing import CliRunner
 
@@ -268,5 +269,12 @@ def test_toy_type_is_a_cache_choice_everywhere(tiny32):
         r = runner.invoke(app, ["info", "-m", str(tiny32)])
         assert r.exit_code == 0, r.output
         assert "kv q8_toy/q8_toy" in r.output and "hidden q8_toy" in r.output
+        text = tmp_path / "text.txt"
+        text.write_text("the cat sat on the mat and the dog ran far away from the old town " * 4)
+        r = runner.invoke(app, ["perplexity", str(tiny32), "-f", str(text), "-c", "16", "--chunks", "2",
+                                "--sweep", "all", "--json", str(tmp_path / "s.json")])
+        assert r.exit_code == 0, r.output
+        rows = json.loads((tmp_path / "s.json").read_text())["rows"]
+        assert ("q8_toy", "q8_toy") in [(x["type_k"], x["type_v"]) for x in rows]
     r = runner.invoke(app, ["run", "-m", str(tiny32), "-p", "hello", "-n", "2", "-ctk", "q8_toy"])
     assert r.exit_code != 0 and "unknown cache type" in r.output

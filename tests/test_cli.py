@@ -122,8 +122,35 @@ def test_80k_context_q4_0_on_default_model(default_model):
     assert "K (q4_0)" in r.stderr and "V (q4_0)" in r.stderr
 
 
-def test_flash_attn_flag(tiny):
-    on = run("-m", tiny, "-p", "the the", "-n", 6, "--temp", 0, "-fa", "on", "-ctv", "bf16")
-    off = run("-m", tiny, "-p", "the the", "-n", 6, "--temp", 0, "-fa", "off", "-ctv", "bf16")
-    assert on.exit_code == 0 and on.stdout == off.stdout
+def test_flash_attn_flag(tiny, monkeypatch):
+    """-fa on (online softmax over chunks) and off (materialized scores, V streamed) give the same
+    greedy text on a prompt longer than one attention chunk, where the two paths run different code."""
+    import kvcli.attention
+
+    monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 0)  # chunks of MIN_CHUNK positions, as at a long context
+    prompt = "the " * (kvcli.attention.MIN_CHUNK + 40)
+    on = run("-m", tiny, "-p", prompt, "-n", 6, "--temp", 0, "-c", 512, "-fa", "on", "-ctv", "bf16", "--dtype", "f32")
+    off = run("-m", tiny, "-p", prompt, "-n", 6, "--temp", 0, "-c", 512, "-fa", "off", "-ctv", "bf16", "--dtype", "f32")
+    assert on.exit_code == 0 and off.exit_code == 0, on.output + off.output
+    assert "prompt eval time" in on.stderr and on.stdout == off.stdout
     assert_clean_error(run("-m", tiny, "-p", "x", "-fa", "maybe"), "on, off or auto")
+
+
+def test_model_as_argument_and_ctx_alias(tiny):
+    """`kvcli run model.gguf --ctx N` as llama.cpp users type it; -m and --ctx-size still work."""
+    a = run(tiny, "--ctx", 64, "-p", "the the", "-n", 4, "--temp", 0)
+    b = run("-m", tiny, "--ctx-size", 64, "-p", "the the", "-n", 4, "--temp", 0)
+    assert a.exit_code == 0, a.output
+    assert a.stdout == b.stdout and "(    64 cells" in a.stderr
+    assert_clean_error(run(tiny, "-m", tiny.with_name("other.gguf"), "-p", "x"), "two models given")
+    for command in (["info", str(tiny)], ["fit", str(tiny), "--mem", "1GiB", "--ctx", "64"]):
+        r = runner.invoke(app, command)
+        assert r.exit_code == 0, r.output
+
+
+def test_the_specified_command_line(default_model):
+    """The line kvcli was specified with: `kvcli run model.gguf --ctx 80000 --cache-type-k q4`."""
+    r = runner.invoke(app, ["run", str(default_model), "--ctx", "80000", "--cache-type-k", "q4", "-p",
+                            "The three primary colors are", "-n", "4", "--temp", "0"])
+    assert r.exit_code == 0, r.output
+    assert "( 80000 cells" in r.stderr and "K (q4_hadamard)" in r.stderr

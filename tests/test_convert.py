@@ -13,7 +13,7 @@ import typer
 from typer.testing import CliRunner
 
 from kvcli.convert import convert_hf
-from kvcli.convert.command import convert_command
+from kvcli.commands.convert import convert_command
 from kvcli.convert.hf_to_gguf import permute_qk
 from kvcli.errors import KvcliError
 from kvcli.llama import Llama

@@ -360,19 +360,25 @@ def test_inf_scale_in_quantized_weight_is_named_at_load(hf, tmp_path):
 # --- memory planning -------------------------------------------------------------------------------
 
 def test_check_fits_names_the_largest_context(monkeypatch):
+    """The refusal names the largest context, exact at the byte: the same number `kvcli fit` prints."""
+    from types import SimpleNamespace
+
     from kvcli import memory
+    from kvcli.cache import CacheSpec, cache_bytes
 
     monkeypatch.setattr(memory, "available_bytes", lambda: 4 * memory.GIB)
-    weights, per_token = memory.GIB, 64 * 1024
-    memory.check_fits(weights, 1000 * per_token, "small", per_token)  # fits: no error
+    config = SimpleNamespace(n_layers=1, n_kv_heads=128, head_dim=128, kv_dim=16384, n_embd=16384)
+    spec, weights, per_token = CacheSpec(), memory.GIB, 64 * 1024  # f16 K + V: 2 x 16384 x 2 bytes a token
+    memory.check_fits(weights, config, spec, 1000, 1, "small")  # fits: no error
     with pytest.raises(KvcliError) as e:
-        memory.check_fits(weights, 100_000 * per_token, "a 100000-token context", per_token)
+        memory.check_fits(weights, config, spec, 100_000, 1, "a 100000-token context")
     room = 4 * memory.GIB - weights - memory.WORKING_BYTES
-    n = room // per_token // 256 * 256
+    n = room // per_token
+    assert n == memory.largest_context(config, spec, room)
     assert f"the largest context that fits is {n} tokens" in str(e.value) and "needs 7.35 GiB" in str(e.value)
-    assert (n + 256) * per_token > room >= n * per_token
+    assert cache_bytes(config, spec, n + 1) > room >= cache_bytes(config, spec, n)
     with pytest.raises(KvcliError, match="weights alone do not fit"):
-        memory.check_fits(5 * memory.GIB, per_token, "x", per_token)
+        memory.check_fits(5 * memory.GIB, config, spec, 1, 1, "x")
 
 
 def test_run_refuses_a_context_that_does_not_fit(tiny, monkeypatch):

@@ -10,8 +10,10 @@ import torch
 import typer
 from typer.testing import CliRunner
 
-from kvcli.perplexity import (dequantize_log_probs, first_scored, kld_terms, make_chunks, n_scored,
-                              perplexity_command, quantize_log_probs)
+from kvcli.commands.perplexity import perplexity_command
+from kvcli.kld import kld_terms
+from kvcli.logprob_base import dequantize_log_probs, quantize_log_probs
+from kvcli.perplexity import first_scored, make_chunks, n_scored
 from tiny import make_hf_model, write_gguf
 
 N_CTX = 16
@@ -200,11 +202,32 @@ def test_sweep_table_and_json(tiny, app, tmp_path):
 
 def test_sweep_all_lists_every_cache_type():
     from kvcli.cache import STORAGE_TYPES
-    from kvcli.perplexity import parse_pairs
+    from kvcli.cache import CacheSpec
+    from kvcli.sweep import parse_sweep
 
-    assert parse_pairs("all") == [(t, t) for t in STORAGE_TYPES]
-    assert parse_pairs("f32/f16,all")[0] == ("f32", "f16") and len(parse_pairs("f32/f16,all")) == len(STORAGE_TYPES) + 1
-    assert parse_pairs("F16 / BF16, f16/bf16") == [("f16", "bf16")]
+    assert parse_sweep("all") == [CacheSpec("kv", t, t) for t in STORAGE_TYPES]
+    assert parse_sweep("f32/f16,all")[0] == CacheSpec("kv", "f32", "f16")
+    assert len(parse_sweep("f32/f16,all")) == len(STORAGE_TYPES) + 1
+    assert parse_sweep("F16 / BF16, f16/bf16") == [CacheSpec("kv", "f16", "bf16")]
+    assert parse_sweep("hidden:q8,hidden:q8_0") == [CacheSpec("hidden", type_h="q8_0")]
+    assert parse_sweep("hidden:all") == [CacheSpec("hidden", type_h=t) for t in STORAGE_TYPES]
+
+
+def test_sweep_hidden_state_caches(tiny, app, tmp_path):
+    """The sweep builds every cache as a run does, so hidden-state caches can be swept, and be the base."""
+    _, path, text, _ = tiny
+    out = tmp_path / "sweep.json"
+    common = ["-m", path, "-f", text, "-c", N_CTX, "--chunks", 4, "--dtype", "f32", "--json", out]
+    r = invoke(app, *common, "-ctk", "f32", "-ctv", "f32", "--sweep", "f32,hidden:f32,hidden:q8_0")
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["mode"], x["cache"]) for x in rows] == [("kv", "f32"), ("hidden", "hidden:f32"), ("hidden", "hidden:q8_0")]
+    assert abs(rows[1]["mean_kld"]) < 1e-5  # K/V rebuilt from the f32 input: the f32 cache's logits (base rounded to 16 bits)
+    assert rows[2]["mean_kld"] > abs(rows[1]["mean_kld"]) and "hidden" in r.stdout
+    r = invoke(app, *common, "--cache-mode", "hidden", "-cth", "f32", "--sweep", "hidden:f32,f32/f32")
+    assert r.exit_code == 0, r.output
+    data = json.loads(out.read_text())
+    assert data["base_mode"] == "hidden" and abs(data["rows"][1]["mean_kld"]) < 1e-5
 
 
 def test_sweep_unknown_type_and_plot(tiny, app, tmp_path):
@@ -239,7 +262,7 @@ def test_sweep_row_equals_kld_against_saved_base(tiny, app, tmp_path):
 
 
 def test_ctrl_c_prints_the_estimate_so_far_and_leaves_no_base(tiny, app, tmp_path, monkeypatch):
-    import kvcli.perplexity as ppl_mod
+    import kvcli.commands.perplexity as ppl_mod
 
     real = ppl_mod.chunk_log_probs
 

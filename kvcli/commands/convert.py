@@ -1,10 +1,12 @@
-"""`kvcli convert`: the Typer command. The lead registers it with `app.command("convert")(convert_command)`."""
+"""`kvcli convert`: the command; the converter is kvcli.convert (the convert/ folder)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 
 import typer
+
+from kvcli.cli_common import log, user_errors
 
 
 def convert_command(
@@ -14,9 +16,7 @@ def convert_command(
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
 ):
     """Convert a Hugging Face Llama/Mistral checkpoint to a llama.cpp-compatible GGUF file."""
-    # imported here: kvcli.cli may import this module while it is itself being imported
-    from kvcli.convert.hf_to_gguf import convert_hf
-    from kvcli.cli import log, user_errors
-
     with user_errors():
+        from kvcli.convert.hf_to_gguf import convert_hf  # imports torch: only when converting
+
         convert_hf(hf_dir, out, outtype=outtype.lower(), force=force, progress=True, log=log)

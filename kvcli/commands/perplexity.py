@@ -1,0 +1,204 @@
+"""`kvcli perplexity`: the command (flags, checks, output); the method is kvcli/perplexity.py."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import time
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt, cache_spec,
+                              ctx_option, err, log, parse_flash_attn, read_prompt, resolve_model, user_errors)
+from kvcli.errors import KvcliError
+from kvcli.kld import KLD_TABLE_HEADER, KldStats, kld_report, kld_terms
+from kvcli.logprob_base import Base, BaseWriter, check_base, read_base
+from kvcli.perplexity import (PplStats, balanced_n_seq, chunk_log_probs, first_scored, make_chunks, n_scored,
+                              token_nll)
+
+
+def _write_json(path: Path, data: dict) -> None:
+    try:
+        Path(path).write_text(json.dumps(data, indent=2) + "\n")
+    except OSError as e:
+        raise KvcliError(f"cannot write {path}: {e.strerror}") from None
+
+
+def _progress(console):
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+    return Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                    TextColumn("ETA"), TimeRemainingColumn(), console=console, transient=True)
+
+
+def perplexity_command(
+    model_arg: Optional[Path] = ModelArg,
+    model: Optional[Path] = ModelOpt,
+    file: Path = typer.Option(..., "-f", "--file", help="Text to score, e.g. wikitext-2-raw/wiki.test.raw."),
+    ctx_size: int = ctx_option(512, "Tokens per chunk; the second half of each is scored."),
+    batch_size: int = typer.Option(2048, "-b", "--batch-size",
+                                   help="Tokens per forward pass: b // c chunks run together as sequences."),
+    chunks: int = typer.Option(-1, "--chunks", help="Chunks to score (-1: all)."),
+    cache_type_k: Optional[str] = CtkOpt,
+    cache_type_v: Optional[str] = CtvOpt,
+    cache_mode: str = CacheModeOpt,
+    cache_type_h: Optional[str] = CthOpt,
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype of the weights: f32, f16 or bf16."),
+    threads: Optional[int] = ThreadsOpt,
+    kl_divergence_base: Optional[Path] = typer.Option(
+        None, "--kl-divergence-base", help="Base log-probs file: written by a plain run, read with --kl-divergence."),
+    kl_divergence: bool = typer.Option(False, "--kl-divergence", help="Compare this run against --kl-divergence-base."),
+    flash_attn: str = FlashOpt,
+    sweep_spec: Optional[str] = typer.Option(
+        None, "--sweep", help="Cache choices to compare with the base (the cache flags' choice) in one run: "
+                              "K/V pairs such as f16/f16,q8_0/q4_0, hidden:TYPE, 'all' (every type as K=V), "
+                              "'hidden:all'."),
+    json_file: Optional[Path] = typer.Option(None, "--json", help="Also write the results (sweep rows) as JSON."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="With --sweep: draw mean KLD against bits per element (PNG)."),
+):
+    """Perplexity of a text with llama-perplexity's method; KL divergence against a base; cache sweep."""
+    with user_errors():
+        from kvcli.sweep import parse_sweep, plot_sweep, sweep, sweep_table  # imports torch: not for --help
+
+        base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)
+        flash = parse_flash_attn(flash_attn)
+        specs = parse_sweep(sweep_spec) if sweep_spec is not None else None
+        if ctx_size <= 0:
+            raise KvcliError("perplexity needs -c > 0")
+        if kl_divergence and kl_divergence_base is None:
+            raise KvcliError("--kl-divergence reads the base from --kl-divergence-base FILE")
+        if specs and kl_divergence_base is not None:
+            raise KvcliError("--sweep computes its base in memory; drop --kl-divergence-base / --kl-divergence")
+        if plot is not None:
+            if not specs:
+                raise KvcliError("--plot draws a --sweep; add --sweep")
+            try:
+                import matplotlib  # noqa: F401  (only to check it is there)
+            except ImportError:
+                raise KvcliError("--plot needs matplotlib: pip install 'kvcli[plot]'") from None
+        base = read_base(kl_divergence_base) if kl_divergence else None
+        text = read_prompt(None, file)
+        path = resolve_model(model_arg, model)
+
+        from kvcli.gguf_file import open_gguf
+        from kvcli.llama import Llama
+        from kvcli.tokenizer import Tokenizer
+
+        g = open_gguf(path)
+        t0 = time.perf_counter()
+        log("perplexity: tokenizing the input ..")
+        tok = Tokenizer.from_metadata(g.metadata)
+        tokens = tok.encode(text, add_bos=None, parse_special=False)
+        log(f"perplexity: tokenization took {1e3 * (time.perf_counter() - t0):g} ms")
+        bos_id = tok.bos_id if tok.add_bos else None
+        if base is not None:
+            inputs, targets = check_base(base, tokens, ctx_size, g.config.vocab_size, chunks, bos_id)
+        else:
+            inputs, targets = make_chunks(tokens, ctx_size, chunks, bos_id)
+        n_chunk = inputs.shape[0]
+        n_seq = balanced_n_seq(batch_size, ctx_size, n_chunk)
+        llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
+                    batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
+                    cache_mode=base_spec.mode, cache_type_h=base_spec.type_h)
+        base_spec = llm.cache_spec  # auto resolved to kv or hidden
+        if ctx_size > llm.config.context_length:
+            log(f"warning: -c {ctx_size} exceeds the model's training context ({llm.config.context_length})")
+        log(f"perplexity: calculating perplexity over {n_chunk} chunks, n_ctx={ctx_size}, "
+            f"batch_size={batch_size}, n_seq={n_seq}")
+
+        header = dict(model=path.name, n_vocab=llm.config.vocab_size, n_ctx=ctx_size, n_chunk=n_chunk,
+                      first=first_scored(ctx_size), n_scored=n_scored(ctx_size), bos_id=bos_id, dtype=dtype,
+                      cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v, cache_mode=base_spec.mode,
+                      cache_type_h=base_spec.type_h)
+        t_start = time.perf_counter()
+        with _progress(err) as progress:
+            if specs:
+                n_passes = -(-n_chunk // n_seq) * (1 + sum(s != base_spec for s in specs))
+                task = progress.add_task("sweep", total=n_passes)
+                rows = sweep(llm, inputs, targets, n_seq, specs, base_spec, lambda: progress.advance(task))
+            else:
+                task = progress.add_task("perplexity", total=n_chunk)
+                writer = None
+                if kl_divergence_base is not None and base is None:
+                    writer = BaseWriter(kl_divergence_base, header, tokens[: n_chunk * ctx_size])
+                result = _run_one(llm, inputs, targets, n_seq, base, writer, progress, task, log)
+        seconds = time.perf_counter() - t_start
+
+        if specs:
+            from rich.console import Console
+
+            out = Console(highlight=False)
+            if not out.is_terminal:  # a file or pipe: do not squeeze the table into 80 columns
+                out = Console(highlight=False, width=160)
+            out.print(sweep_table(rows, base_spec, ctx_size))
+            log(f"perplexity: sweep of {len(specs)} cache types over {n_chunk} chunks took {seconds:.1f} s")
+            meta = {k: v for k, v in header.items() if not k.startswith("cache_type")}
+            if json_file is not None:
+                _write_json(json_file, dict(meta, base_type_k=base_spec.type_k, base_type_v=base_spec.type_v,
+                                            base_mode=base_spec.mode, base_type_h=base_spec.type_h,
+                                            seconds=seconds, rows=rows))
+            if plot is not None:
+                plot_sweep(rows, plot, f"{path.name}, {Path(file).name}, n_ctx {ctx_size}, {n_chunk} chunks, "
+                           f"dtype {dtype}")
+                log(f"perplexity: plot written to {plot}")
+        else:
+            log(f"perplexity: {n_chunk} chunks took {seconds:.2f} s")
+            if json_file is not None:
+                _write_json(json_file, dict(header, seconds=seconds, **result))
+            if result.get("interrupted"):
+                raise typer.Exit(130)
+
+
+def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseWriter | None",
+             progress, task, log) -> dict:
+    """A plain run (optionally saving the base) or a --kl-divergence run; prints llama.cpp's lines."""
+    n_chunk = inputs.shape[0]
+    stats, kld = PplStats(), KldStats()
+    t_pass = time.perf_counter()
+    done = interrupted = False
+    try:
+        for i, lp in chunk_log_probs(llm, inputs, n_seq):
+            if i == 0:  # llama.cpp's first-pass timing line
+                t = time.perf_counter() - t_pass
+                log(f"perplexity: {t:.2f} seconds per pass - ETA {t * n_chunk / n_seq / 60:.2f} minutes")
+            if base is None:
+                stats.add(token_nll(lp, targets[i]))
+                if writer is not None:
+                    writer.add(lp, targets[i])
+                # on a terminal the line shows whole at the end, above the bar (which shows the running PPL)
+                print(f"[{i + 1}]{stats.ppl:.4f},", end="", flush=not sys.stdout.isatty())
+                progress.update(task, advance=1, description=f"[{i + 1}] PPL {stats.ppl:.4f}")
+            else:
+                if i == 0:
+                    print(KLD_TABLE_HEADER, flush=True)
+                log_base, nll_base = base.chunk(i)
+                kld.add(kld_terms(lp, log_base, targets[i], nll_base))
+                print(kld.chunk_line(i + 1), flush=True)
+                progress.update(task, advance=1, description=f"[{i + 1}] KLD {kld.kld / kld.count:.6f}")
+        done = True
+    except KeyboardInterrupt:  # Ctrl-C: report the estimate over the chunks scored so far
+        interrupted = True
+        log("perplexity: interrupted; the estimate below covers the chunks scored so far")
+    finally:
+        if writer is not None:
+            writer.close(complete=done)
+    print(flush=True)
+    if (stats.count if base is None else kld.count) == 0:
+        return dict(interrupted=interrupted)
+    if base is not None:
+        s = kld.summary()
+        for line in kld_report(s):
+            print(line)
+        return dict(kld={k: v for k, v in s.items() if not isinstance(v, dict)}, interrupted=interrupted)
+    ppl, err = stats.estimate()
+    if math.isnan(err):
+        log("Unexpected negative standard deviation of log(prob)")
+        print(f"Final estimate: PPL = {ppl:.4f}")
+    else:
+        print(f"Final estimate: PPL = {ppl:.4f} +/- {err:.5f}")
+    if writer is not None and not interrupted:
+        log(f"perplexity: base log-probs written to {writer.path}")
+    return dict(ppl=ppl, ppl_err=err, count=stats.count, interrupted=interrupted)

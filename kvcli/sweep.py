@@ -1,0 +1,139 @@
+"""`kvcli perplexity --sweep`: every listed cache choice against the base choice in one run, one
+model in memory. Each cache is built by `Llama.new_cache`, the constructor a run uses, so any
+choice a run accepts (hidden-state caches included) can be swept; each row is what
+--kl-divergence against a saved base of the base choice reports. Results as a table, JSON, a plot."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Callable
+
+from kvcli.cache import STORAGE_TYPES, CacheSpec, cache_bytes
+from kvcli.errors import KvcliError
+from kvcli.kld import KldStats, kld_terms
+from kvcli.logprob_base import dequantize_log_probs, quantize_log_probs
+from kvcli.memory import MIB
+from kvcli.perplexity import PplStats, scored_log_probs, token_nll
+
+
+def parse_sweep(spec: str) -> list[CacheSpec]:
+    """"f16/f16,q8_0/q4_0,q8_0,hidden:q4_0" -> cache choices: K/V pairs (a lone name is used for
+    both), hidden-state types after "hidden:", and "all" / "hidden:all" for every registered
+    storage type, so new cache types join the sweep."""
+    specs: list[CacheSpec] = []
+    for item in spec.split(","):
+        item = item.strip().lower()
+        if not item:
+            continue
+        mode, _, types = item.rpartition(":")
+        if mode not in ("", "hidden"):
+            raise KvcliError(f"--sweep entry {item!r}: write K/V types (q8_0/q4_0) or hidden:TYPE")
+        names = list(STORAGE_TYPES) if types.strip() == "all" else [types]
+        for name in names:
+            if mode == "hidden":
+                found = CacheSpec("hidden", type_h=name.strip())
+            else:
+                k, _, v = name.partition("/")
+                found = CacheSpec("kv", k.strip(), (v or k).strip())
+            if found not in specs:
+                specs.append(found)
+    if not specs:
+        raise KvcliError("--sweep needs cache choices, e.g. f16/f16,q8_0/q8_0,hidden:q8_0")
+    return specs
+
+
+def row_label(spec: CacheSpec) -> str:
+    """The sweep's name for a choice: K/V types (one name where equal) or hidden:TYPE."""
+    if spec.mode == "hidden":
+        return f"hidden:{spec.type_h}"
+    return spec.type_k if spec.type_k == spec.type_v else f"{spec.type_k}/{spec.type_v}"
+
+
+def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: CacheSpec,
+          tick: Callable[[], None] = lambda: None) -> list[dict]:
+    """One row per cache choice against the base choice's run, chunk batch by chunk batch (no base file).
+
+    Every cache comes from `llm.new_cache`, as a run builds its own. The base log-probs go through
+    the base file's 16-bit rounding, so each row equals what --kl-divergence against a saved base
+    reports; the base choice's own row is the base itself (KLD 0)."""
+    n_ctx = inputs.shape[1]
+    caches = {s: llm.new_cache(s) for s in specs if s != base_spec}  # the base runs in llm's own cache
+    base_stats, seconds = PplStats(), dict.fromkeys([base_spec, *specs], 0.0)
+    klds = {s: KldStats() for s in specs}
+    for i in range(0, inputs.shape[0], n_seq):
+        batch, tgt = inputs[i : i + n_seq], targets[i : i + n_seq]
+        t0 = time.perf_counter()
+        base_lp = scored_log_probs(llm.logits(batch), n_ctx)  # (B, S, V)
+        base_nll = token_nll(base_lp, tgt)  # (B, S)
+        base_stats.add(base_nll)
+        seconds[base_spec] += time.perf_counter() - t0
+        base_q = [dequantize_log_probs(*quantize_log_probs(base_lp[b])) for b in range(len(batch))]
+        if base_spec in klds:
+            for b in range(len(batch)):
+                klds[base_spec].add(kld_terms(base_lp[b], base_lp[b], tgt[b]))
+        tick()
+        for spec, cache in caches.items():
+            t0 = time.perf_counter()
+            lp = scored_log_probs(llm.logits(batch, cache=cache), n_ctx)
+            for b in range(len(batch)):
+                klds[spec].add(kld_terms(lp[b], base_q[b], tgt[b], base_nll[b]))
+            del lp
+            seconds[spec] += time.perf_counter() - t0
+            tick()
+        del base_lp, base_q
+    base_ppl = base_stats.ppl
+    rows = []
+    for spec in specs:
+        s = klds[spec].summary()
+        kv = spec.mode == "kv"
+        rows.append(dict(
+            cache=row_label(spec), mode=spec.mode, type_k=spec.type_k if kv else None,
+            type_v=spec.type_v if kv else None, type_h=None if kv else spec.type_h,
+            bits_per_element=spec.bits_per_element(),
+            cache_mib=cache_bytes(llm.config, spec, n_ctx) / MIB, cache_mib_32k=cache_bytes(llm.config, spec, 32768) / MIB,
+            ppl=s["ppl"], ppl_err=s["ppl_err"], delta_ppl_pct=100 * (s["ppl"] / base_ppl - 1),
+            mean_kld=s["kld"], mean_kld_err=s["kld_err"], kld_99=s["kld_pct"][0.99], same_top_pct=100 * s["same_top"],
+            rms_p_diff_pct=100 * s["rms_p_diff"], seconds=seconds[spec],
+        ))
+    return rows
+
+
+def sweep_table(rows: list[dict], base_spec: CacheSpec, n_ctx: int):
+    from rich.table import Table
+
+    t = Table(title=f"KV cache types against {row_label(base_spec)} (n_ctx {n_ctx})")
+    for name in ("K", "V", "bits/el", f"MiB @{n_ctx}", "MiB @32k", "PPL", "ΔPPL %", "mean KLD", "same top %", "s"):
+        t.add_column(name, justify="left" if name in ("K", "V") else "right")
+    for r in rows:
+        k, v = (r["type_k"], r["type_v"]) if r["mode"] == "kv" else ("hidden", r["type_h"])
+        t.add_row(k, v, f"{r['bits_per_element']:.2f}", f"{r['cache_mib']:.2f}",
+                  f"{r['cache_mib_32k']:.1f}", f"{r['ppl']:.4f} ± {r['ppl_err']:.4f}", f"{r['delta_ppl_pct']:+.3f}",
+                  f"{r['mean_kld']:.6f}".replace("-0.000000", "0.000000"),  # rounding noise below 1e-6
+                  f"{r['same_top_pct']:.2f}", f"{r['seconds']:.1f}")
+    return t
+
+
+def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in rows:
+        ax.scatter(r["bits_per_element"], r["mean_kld"], color="tab:blue")
+        ax.annotate(r["cache"], (r["bits_per_element"], r["mean_kld"]),
+                    textcoords="offset points", xytext=(4, 4), fontsize=8)
+    ax.set_xlabel("bits per element (mean of K and V)")
+    ax.set_ylabel("mean KL divergence vs base (nats)")
+    ax.set_yscale("symlog", linthresh=1e-6)
+    ax.set_title(title, fontsize=9)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    try:
+        fig.savefig(path, dpi=120)
+    except OSError as e:
+        raise KvcliError(f"cannot write {path}: {e.strerror}") from None
+    finally:
+        plt.close(fig)
