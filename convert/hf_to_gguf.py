@@ -23,6 +23,7 @@ import numpy as np
 
 from kvcli.convert.vocab import add_vocab, read_json
 from kvcli.errors import KvcliError
+from kvcli.memory import MIB
 
 ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
@@ -435,7 +436,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: 
         tmp.unlink(missing_ok=True)
         raise
     total = sum(i.nbytes for i in items)
-    log(f"wrote {out} ({outtype}, {len(items)} tensors, {total / 2**20:.1f} MiB of weights)")
+    log(f"wrote {out} ({outtype}, {len(items)} tensors, {total / MIB:.1f} MiB of weights)")
     return out
 
 

@@ -25,9 +25,10 @@ from dataclasses import dataclass
 import torch
 
 from kvcli.kernel_layout import DENSE_KINDS
+from kvcli.memory import MIB
 
 # f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
-CHUNK_BYTES = 8 * 1024 * 1024
+CHUNK_BYTES = 8 * MIB
 MIN_CHUNK = 256
 
 

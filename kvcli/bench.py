@@ -15,6 +15,8 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from kvcli.memory import MIB
+
 
 @dataclass
 class BenchRow:
@@ -91,7 +93,7 @@ def run_bench(make_llm, model_name: str, tests: list[tuple[str, int]], depths: l
                 label = f"{test}{n}" + (f" @ d{depth}" if depth else "")
                 rows.append(BenchRow(model_name, params, backend, threads, mode, tk, tv, th, fa, label, depth,
                                      statistics.mean(speeds), statistics.pstdev(speeds),
-                                     llm.cache.nbytes() / 2**20, synthetic))
+                                     llm.cache.nbytes() / MIB, synthetic))
                 if progress:
                     progress(rows[-1])
         del llm

@@ -18,7 +18,7 @@ from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, Mo
 from kvcli.commands.convert import convert_command
 from kvcli.commands.perplexity import perplexity_command
 from kvcli.errors import KvcliError
-from kvcli.memory import MIB, WORKING_BYTES
+from kvcli.memory import GIB, MIB, WORKING_BYTES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run Llama-family GGUF models with a small KV cache (llama.cpp-style flags).")
@@ -148,7 +148,7 @@ def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         wb = weight_bytes(g, dtype)
         rows, best = fit_table(g.config, wb, budget, wanted, load_sweep(sweep))
         out = Console(highlight=False)
-        out.print(f"{Path(g.path).name} on {device}: budget {budget / 2**30:.2f} GiB, weights {wb / 2**30:.2f} GiB "
+        out.print(f"{Path(g.path).name} on {device}: budget {budget / GIB:.2f} GiB, weights {wb / GIB:.2f} GiB "
                   f"(--dtype {dtype}), working buffers {WORKING_BYTES // MIB} MiB")
         table = [[r["choice"], f"{r['bits']:.2f}", f"{r['bytes_per_token']:,.0f}", f"{r['max_ctx']:,}",
                   "-" if r["kld"] is None else f"{r['kld']:.6f}"] for r in rows]
