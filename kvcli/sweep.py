@@ -102,7 +102,8 @@ def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: C
 def sweep_table(rows: list[dict], base_spec: CacheSpec, n_ctx: int):
     from rich.table import Table
 
-    t = Table(title=f"KV cache types against {row_label(base_spec)} (n_ctx {n_ctx})")
+    base = f"{base_spec.type_k}/{base_spec.type_v}" if base_spec.mode == "kv" else row_label(base_spec)
+    t = Table(title=f"KV cache types against {base} (n_ctx {n_ctx})")
     for name in ("K", "V", "bits/el", f"MiB @{n_ctx}", "MiB @32k", "PPL", "ΔPPL %", "mean KLD", "same top %", "s"):
         t.add_column(name, justify="left" if name in ("K", "V") else "right")
     for r in rows:
