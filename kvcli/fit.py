@@ -39,8 +39,9 @@ def choices() -> list[CacheSpec]:
     return kv + [CacheSpec("hidden", type_h=t) for t in types]
 
 
-def load_sweep(path: Path | None) -> dict[tuple[str, str], dict]:
-    """Rows of `kvcli perplexity --sweep --json` keyed by (K type, V type)."""
+def load_sweep(path: Path | None) -> dict[CacheSpec, float | None]:
+    """Mean KLD per cache choice from `kvcli perplexity --sweep --json` rows (older rows, without
+    a mode, are K/V pairs)."""
     if path is None:
         return {}
     try:
@@ -50,20 +51,23 @@ def load_sweep(path: Path | None) -> dict[tuple[str, str], dict]:
     rows = rows.get("rows", rows) if isinstance(rows, dict) else rows
     out = {}
     for r in rows:
-        k, v = r.get("type_k", r.get("k")), r.get("type_v", r.get("v"))
-        if k and v:
-            out[(k, v)] = {"kld": r.get("mean_kld", r.get("kld"))}
+        k, v, h = r.get("type_k", r.get("k")), r.get("type_v", r.get("v")), r.get("type_h")
+        if r.get("mode") == "hidden" and h:
+            out[CacheSpec("hidden", type_h=h)] = r.get("mean_kld", r.get("kld"))
+        elif k and v:
+            out[CacheSpec("kv", k, v)] = r.get("mean_kld", r.get("kld"))
     return out
 
 
-def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict) -> tuple[list[dict], dict | None]:
+def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict[CacheSpec, float | None]
+              ) -> tuple[list[dict], dict | None]:
     """One row per choice: bytes per token, largest context, KLD where the sweep has it; and the
     recommendation: the most faithful choice reaching ctx_wanted (lowest KLD, else most bits)."""
     room = mem - weight_bytes - WORKING_BYTES
     rows = []
     for ch in choices():
         n = largest_context(config, ch, room)
-        kld = sweep.get((ch.type_k, ch.type_v), {}).get("kld") if ch.mode == "kv" else None
+        kld = sweep.get(ch)
         rows.append({"choice": ch.label, "mode": ch.mode, "type_k": ch.type_k if ch.mode == "kv" else None,
                      "type_v": ch.type_v if ch.mode == "kv" else None, "type_h": ch.type_h if ch.mode == "hidden" else None,
                      "bits": ch.bits_per_element(), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,

@@ -123,10 +123,11 @@ def plot_sweep(rows: list[dict], path: Path, title: str) -> None:
 
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for r in rows:
-        ax.scatter(r["bits_per_element"], r["mean_kld"], color="tab:blue")
-        ax.annotate(r["cache"], (r["bits_per_element"], r["mean_kld"]),
+        # cache MiB, not bits per element: a hidden-state cache stores other elements than K and V
+        ax.scatter(r["cache_mib_32k"], r["mean_kld"], color="tab:blue")
+        ax.annotate(r["cache"], (r["cache_mib_32k"], r["mean_kld"]),
                     textcoords="offset points", xytext=(4, 4), fontsize=8)
-    ax.set_xlabel("bits per element (mean of K and V)")
+    ax.set_xlabel("cache MiB at 32k tokens")
     ax.set_ylabel("mean KL divergence vs base (nats)")
     ax.set_yscale("symlog", linthresh=1e-6)
     ax.set_title(title, fontsize=9)

@@ -51,14 +51,25 @@ def test_largest_context_is_exact(choice):
 def test_fit_recommends_most_faithful_that_reaches(tmp_path):
     weights = 270 * 2**20
     mem = weights + WORKING_BYTES + cache_bytes(SMOL, CacheSpec("kv", "q8_0", "q8_0"), 65536)
-    sweep = {("f16", "f16"): {"kld": 0.0}, ("q8_0", "q8_0"): {"kld": 0.0005}, ("q4_0", "q4_0"): {"kld": 0.14},
-             ("q4_hadamard", "q4_hadamard"): {"kld": 0.018}}
+    sweep = {CacheSpec("kv", t, t): kld for t, kld in [("f16", 0.0), ("q8_0", 0.0005), ("q4_0", 0.14),
+                                                         ("q4_hadamard", 0.018)]}
     rows, best = fit_table(SMOL, weights, mem, 65536, sweep)
     assert best["choice"] == "kv q8_0/q8_0"  # f16 does not reach 64k here; q8_0 just does
     by = {r["choice"]: r for r in rows}
     assert by["kv f16/f16"]["max_ctx"] < 65536 <= by["kv q8_0/q8_0"]["max_ctx"]
     rows, best = fit_table(SMOL, weights, mem, 10**7, sweep)
     assert best is None
+
+
+def test_load_sweep_reads_kv_and_hidden_rows(tmp_path):
+    from kvcli.fit import load_sweep
+
+    p = tmp_path / "sweep.json"
+    p.write_text(json.dumps({"rows": [{"mode": "kv", "type_k": "q8_0", "type_v": "q4_0", "type_h": None, "mean_kld": 0.1},
+                                      {"mode": "hidden", "type_k": None, "type_v": None, "type_h": "q8_0", "mean_kld": 0.2},
+                                      {"type_k": "f16", "type_v": "f16", "mean_kld": 0.0}]}))  # a row without mode
+    assert load_sweep(p) == {CacheSpec("kv", "q8_0", "q4_0"): 0.1, CacheSpec("hidden", type_h="q8_0"): 0.2,
+                             CacheSpec("kv", "f16", "f16"): 0.0}
 
 
 def test_bench_rows_and_formats(tmp_path):

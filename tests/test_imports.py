@@ -112,3 +112,10 @@ def test_no_generic_top_level_names_installed():
             "import kvcli.kernels, kvcli.convert")
     out = subprocess.run([sys.executable, "-c", code], cwd="/", capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", out.stdout
+
+
+def test_the_command_line_imports_no_torch():
+    """`kvcli --help` stays instant: building the app imports neither torch nor numpy."""
+    code = "import sys, kvcli.cli; print(sorted(m for m in ('torch', 'numpy', 'triton') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", out.stdout

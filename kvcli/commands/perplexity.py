@@ -57,7 +57,7 @@ def perplexity_command(
                               "K/V pairs such as f16/f16,q8_0/q4_0, hidden:TYPE, 'all' (every type as K=V), "
                               "'hidden:all'."),
     json_file: Optional[Path] = typer.Option(None, "--json", help="Also write the results (sweep rows) as JSON."),
-    plot: Optional[Path] = typer.Option(None, "--plot", help="With --sweep: draw mean KLD against bits per element (PNG)."),
+    plot: Optional[Path] = typer.Option(None, "--plot", help="With --sweep: draw mean KLD against cache MiB at 32k tokens (PNG)."),
 ):
     """Perplexity of a text with llama-perplexity's method; KL divergence against a base; cache sweep."""
     with user_errors():
