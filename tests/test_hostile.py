@@ -26,9 +26,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from kvcli.cli import app
 from kvcli.errors import KvcliError
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
-from cli_checks import assert_clean_error, run
+from cli_checks import assert_clean_error, run, runner
 from tiny import make_hf_model, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -581,3 +582,48 @@ def test_sigkill_at_random_points(hf_dir, tmp_path):
 
     remove_stale_temps(tmp_path, log=lambda line: None)
     assert _temps(tmp_path) == []
+
+
+# --- values llama.cpp users type, over every command: one line, a non-zero exit, no traceback ---
+
+@pytest.mark.parametrize("args, words", [
+    (["run", "-p", "hi", "-t", "0"], ["-t/--threads", "not 0"]),
+    (["run", "-p", "hi", "-t", "-5"], ["-t/--threads", "-1 (all cores)"]),
+    (["run", "-p", "hi", "-t", "100000"], ["-t/--threads"]),
+    (["run", "-p", "hi", "--repeat-penalty", "0"], ["--repeat-penalty", "above 0"]),
+    (["run", "-p", "hi", "--repeat-penalty", "-1"], ["--repeat-penalty"]),
+    (["bench", "-p", "8", "-n", "4", "-r", "0"], ["-r/--repetitions", "not 0"]),
+    (["bench", "-p", "8", "-n", "4", "-r", "-2"], ["-r/--repetitions"]),
+    (["bench", "-p", "8", "-n", "4", "-t", "0"], ["-t/--threads"]),
+    (["perplexity", "-f", "TEXT", "-t", "-3"], ["-t/--threads"]),
+    (["run", "-p", "hi", "-c", "-5"], ["-c/--ctx-size", "not -5"]),
+    (["run", "-p", "hi", "-n", "-3"], ["-n/--n-predict", "not -3"]),
+    (["run", "-p", "hi", "--device", "tpu"], ["--device"]),
+    (["run", "-f", "[draft].txt"], ["prompt file not found: [draft].txt"]),
+    (["run", "-m", "model[q4].gguf", "-p", "hi"], ["model file not found: model[q4].gguf"]),
+])
+def test_hostile_values_give_one_line(tiny, tmp_path, monkeypatch, args, words):
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "TEXT").write_text("the cat sat on the mat " * 20)
+    if "-m" not in args:
+        args = [args[0], "-m", str(tiny), *args[1:]]
+    assert_clean_error(runner.invoke(app, [str(a) for a in args]), *words)
+
+
+def test_llama_cpp_habits(tiny):
+    """-t -1 is every core; -n -2 runs to the context's end; -ngl is read as itself and answered
+    with a note; --version prints the version."""
+    r = run("-m", tiny, "-p", "the", "-n", 2, "--temp", 0, "-t", -1, "-ngl", 99)
+    assert r.exit_code == 0, r.output
+    assert "note: -ngl 99 ignored" in r.stderr and "--device" in r.stderr
+    r = run("-m", tiny, "-p", "the", "-n", -2, "--temp", 0, "-c", 12)
+    assert r.exit_code == 0 and "context full" in r.stderr, r.output
+    r = runner.invoke(app, ["--version"])
+    assert r.exit_code == 0 and r.stdout.startswith("kvcli ")
+
+
+def test_models_folder_that_is_a_file(tmp_path, monkeypatch):
+    """KVCLI_MODELS pointing below a file: one line, not mkdir's traceback."""
+    (tmp_path / "afile").write_text("x")
+    monkeypatch.setenv("KVCLI_MODELS", str(tmp_path / "afile" / "models"))
+    assert_clean_error(run("-p", "hi"), "cannot make the models folder", "KVCLI_MODELS")

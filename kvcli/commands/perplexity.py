@@ -12,7 +12,8 @@ from typing import Optional
 import typer
 
 from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt, cache_spec,
-                              ctx_option, err, log, parse_flash_attn, read_prompt, resolve_model, user_errors)
+                              ctx_option, err, log, parse_flash_attn, parse_threads, read_prompt, resolve_model,
+                              user_errors)
 from kvcli.errors import KvcliError
 from kvcli.kld import KLD_TABLE_HEADER, KldStats, kld_report, kld_terms
 from kvcli.logprob_base import Base, BaseWriter, check_base, read_base
@@ -65,6 +66,7 @@ def perplexity_command(
 
         base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)
         flash = parse_flash_attn(flash_attn)
+        threads = parse_threads(threads)
         specs = parse_sweep(sweep_spec) if sweep_spec is not None else None
         if ctx_size <= 0:
             raise KvcliError("perplexity needs -c > 0")
