@@ -52,7 +52,6 @@ class Llama:
         # kv, hidden or auto -> kv / hidden (auto: hidden only where smaller than K+V at these types)
         self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h).resolved(c, self.n_ctx)
         self.cache_mode = self.cache_spec.mode
-        self.flash_attn = flash_attn
         self.attention = Attention(flash=flash_attn)  # how every cache of this run attends
         untied = not self.synthetic and "output.weight" in self.gguf.tensors
         if device == "cpu":

@@ -105,6 +105,10 @@ class HadamardQ4Store(Store):
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
         self.offset_set = [False] * L
         self._unit = None  # (n_pad / 32, W, 2) bf16 unit scales for the value GEMM, made on first use
+        # fixed for the store's life: built once, not per layer and token where the kernels run
+        self._layout = KernelLayout(Kind.HADAMARD_KEYS if self.keys else Kind.HADAMARD_VALUES, self.block_bytes,
+                                    table=tuple(_SCALE_GRID.tolist()), n_sink=N_SINK,
+                                    tile=self.tile if self.keys else self.width)
 
     @classmethod
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
@@ -138,9 +142,7 @@ class HadamardQ4Store(Store):
         return r - self.offset[layer]
 
     def kernel_layout(self) -> KernelLayout:
-        kind = Kind.HADAMARD_KEYS if self.keys else Kind.HADAMARD_VALUES
-        return KernelLayout(kind, self.block_bytes, table=tuple(_SCALE_GRID.tolist()), n_sink=N_SINK,
-                                   tile=self.tile if self.keys else self.width)
+        return self._layout
 
     def kernel_operands(self, layer: int) -> tuple[torch.Tensor, ...]:
         """codes (B, H, tiles...) uint8, scales (B, H, D / 32, n_pad) bf16, sinks (B, H, n_sink, D) f16,
@@ -197,8 +199,7 @@ class HadamardQ4Store(Store):
             tw = self.tile
             t0, t1 = start // tw, -(-end // tw)
             return self._tile_codes(self.data[layer, :, :, t0:t1])[:, :, start - tw * t0 : end - tw * t0]
-        W = self.width
-        planes = self.data[layer, :, :, :, start:end]  # (B, H, D / W, n, W / 2)
+        planes = self.data[layer, :, :, :, start:end]  # (B, H, D / W, n, W / 2), W = self.width
         u = int4_gemm.unpack_pairs(planes)  # (B, H, D / W, n, W)
         return u.transpose(2, 3).reshape(B, H, end - start, D)
 
