@@ -15,6 +15,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
+from kvcli.cache import resolve_type
 from kvcli.memory import MIB
 
 
@@ -41,9 +42,16 @@ def split_list(value: str) -> list[str]:
     return [v.strip() for v in value.split(",") if v.strip()]
 
 
+def _canonical(names: list[str]) -> list[str]:
+    # Rows name what ran: an alias (q4, Q8) becomes its type's name (q4_hadamard, q8_0), and a
+    # type given twice under two names runs once.
+    return list(dict.fromkeys(resolve_type(n).name for n in names))
+
+
 def combinations(modes, ctks, ctvs, cths, fas) -> list[tuple[str, str, str, str, str]]:
     """(mode, type_k, type_v, type_h, fa): K/V types only vary in kv mode, the hidden type only in
     hidden mode, so no combination is run twice under another name."""
+    ctks, ctvs, cths = _canonical(ctks), _canonical(ctvs), _canonical(cths)
     out = []
     for mode, fa in itertools.product(modes, fas):
         if mode == "hidden":
