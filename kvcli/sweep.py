@@ -56,7 +56,10 @@ def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: C
 
     Every cache comes from `llm.new_cache`, as a run builds its own. The base log-probs go through
     the base file's 16-bit rounding, so each row equals what --kl-divergence against a saved base
-    reports; the base choice's own row is the base itself (KLD 0)."""
+    reports; the base choice's own row is the base itself (KLD 0), first where the sweep does not
+    list it (as `all` does), so the table always shows what the others are measured against."""
+    if base_spec not in specs:
+        specs = [base_spec, *specs]
     n_ctx = inputs.shape[1]
     caches = {s: llm.new_cache(s) for s in specs if s != base_spec}  # the base runs in llm's own cache
     base_stats, seconds = PplStats(), dict.fromkeys([base_spec, *specs], 0.0)

@@ -200,6 +200,27 @@ def test_sweep_table_and_json(tiny, app, tmp_path):
         assert word in r.stdout
 
 
+def test_sweep_without_all_still_shows_the_base_row(tiny, app, tmp_path):
+    """`--sweep bf16/bf16` is measured against f16/f16 (the cache flags' default): that base row is
+    printed first (KLD 0), as `all` prints it among the others. (bf16: the tiny model's head size
+    is too small for the block types.)"""
+    _, path, text, _ = tiny
+    out = tmp_path / "sweep.json"
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--chunks", 2, "--sweep", "bf16/bf16", "--json", out)
+    assert r.exit_code == 0, r.output
+    rows = json.loads(out.read_text())["rows"]
+    assert [(x["type_k"], x["type_v"]) for x in rows] == [("f16", "f16"), ("bf16", "bf16")]
+    assert rows[0]["mean_kld"] == 0.0 and rows[0]["delta_ppl_pct"] == 0.0
+    table = [ln for ln in r.stdout.splitlines() if ln.startswith("│")]  # the body rows
+    assert len(table) == 2 and table[0].startswith("│ f16  │ f16  │") and table[1].startswith("│ bf16 │ bf16 │"), r.stdout
+    assert "sweep of 2 cache types" in r.stderr
+    # A base given with the cache flags is the base row too, and listed once.
+    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--chunks", 2, "-ctk", "f32", "-ctv", "f32",
+               "--sweep", "bf16,f32", "--json", out)
+    assert r.exit_code == 0, r.output
+    assert [x["cache"] for x in json.loads(out.read_text())["rows"]] == ["bf16", "f32"]
+
+
 def test_sweep_all_lists_every_cache_type():
     from kvcli.cache import STORAGE_TYPES
     from kvcli.cache import CacheSpec
@@ -255,7 +276,8 @@ def test_sweep_row_equals_kld_against_saved_base(tiny, app, tmp_path):
                "--json", kld_json)
     assert r.exit_code == 0, r.output
     assert invoke(app, *common, "--sweep", "bf16/bf16", "--json", sweep_json).exit_code == 0
-    k, row = json.loads(kld_json.read_text())["kld"], json.loads(sweep_json.read_text())["rows"][0]
+    k, row = json.loads(kld_json.read_text())["kld"], json.loads(sweep_json.read_text())["rows"][-1]
+    assert row["cache"] == "bf16"
     assert row["ppl"] == pytest.approx(k["ppl"], rel=1e-6)
     assert row["mean_kld"] == pytest.approx(k["kld"], rel=1e-4)
     assert row["same_top_pct"] == pytest.approx(100 * k["same_top"])

@@ -136,7 +136,7 @@ def perplexity_command(
             if not out.is_terminal:  # a file or pipe: do not squeeze the table into 80 columns
                 out = Console(highlight=False, width=160)
             out.print(sweep_table(rows, base_spec, ctx_size))
-            log(f"perplexity: sweep of {len(specs)} cache types over {n_chunk} chunks took {seconds:.1f} s")
+            log(f"perplexity: sweep of {len(rows)} cache types over {n_chunk} chunks took {seconds:.1f} s")
             meta = {k: v for k, v in header.items() if not k.startswith("cache_type")}
             if json_file is not None:
                 _write_json(json_file, dict(meta, base_type_k=base_spec.type_k, base_type_v=base_spec.type_v,
