@@ -390,23 +390,20 @@ def remove_stale_temps(directory: Path, log: Callable[[str], None]) -> None:
         log(f"removed {path.name}, left by an interrupted convert (pid {m[1]} is gone)")
 
 
-def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: str = "f16", force: bool = False,
-               progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
-    """Convert a Hugging Face Llama/Mistral directory to `out_path` (GGUF); returns the path written.
-
-    Writes `.OUT.<pid>.<hex>.tmp` next to OUT and renames it into place only when complete; any failure
-    (or Ctrl-C) removes the temporary file and leaves OUT untouched. A convert killed outright (SIGKILL)
-    leaves its temporary file; the next convert into that directory removes it (its pid is gone)."""
+def default_out_name(hf_dir: Path, items: list[Item], outtype: str) -> str:
+    """llama.cpp's convert_hf_to_gguf.py default file name, by gguf-py's naming convention:
+    `<name>[-<size label>]-<OUTTYPE>.gguf` (SmolLM2-135M-Instruct -> SmolLM2-135M-Instruct-F16.gguf;
+    tiny -> tiny-137K-F16.gguf). Simpler than llama.cpp's: the name is the directory's as written
+    (llama.cpp also reads the model card, title-cases), counted size label only where it has none."""
     import gguf
 
-    log = log or _default_log
-    hf_dir, out = Path(hf_dir), Path(out_path)
-    if outtype not in OUTTYPES:
-        raise KvcliError(f"unknown --outtype {outtype!r}; choose {', '.join(OUTTYPES)}")
-    if not hf_dir.exists():
-        raise KvcliError(f"model directory not found: {hf_dir}")
-    if not hf_dir.is_dir():
-        raise KvcliError(f"not a directory: {hf_dir} (give the Hugging Face model directory)")
+    name = hf_dir.resolve().name.strip().replace(" ", "-") or None  # None: llama.cpp's "ggml-model"
+    has_size = name is not None and gguf.Metadata.get_model_id_components(name)[5] is not None
+    size = None if has_size else gguf.size_label(sum(math.prod(i.shape) for i in items), 0, 0, 0)
+    return f"{gguf.naming_convention(name, None, None, None, size, outtype.upper())}.gguf"
+
+
+def _check_out(out: Path, force: bool) -> None:
     if out.is_dir():
         raise KvcliError(f"output path is a directory: {out}")
     if out.exists() and not force:
@@ -414,9 +411,34 @@ def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike, outtype: 
     if not out.parent.is_dir():
         raise KvcliError(f"output directory does not exist: {out.parent}")
 
-    remove_stale_temps(out.parent, log)
+
+def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike | None = None, outtype: str = "f16",
+               force: bool = False, progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
+    """Convert a Hugging Face Llama/Mistral directory to `out_path` (GGUF); returns the path written.
+    `out_path` None or a directory: `default_out_name` in the model directory or that one, as llama.cpp.
+
+    Writes `.OUT.<pid>.<hex>.tmp` next to OUT and renames it into place only when complete; any failure
+    (or Ctrl-C) removes the temporary file and leaves OUT untouched. A convert killed outright (SIGKILL)
+    leaves its temporary file; the next convert into that directory removes it (its pid is gone)."""
+    import gguf
+
+    log = log or _default_log
+    hf_dir, out = Path(hf_dir), (Path(out_path) if out_path is not None else None)
+    if outtype not in OUTTYPES:
+        raise KvcliError(f"unknown --outtype {outtype!r}; choose {', '.join(OUTTYPES)}")
+    if not hf_dir.exists():
+        raise KvcliError(f"model directory not found: {hf_dir}")
+    if not hf_dir.is_dir():
+        raise KvcliError(f"not a directory: {hf_dir} (give the Hugging Face model directory)")
+    if out is not None and not out.is_dir():  # a file name given is checked before reading anything
+        _check_out(out, force)
+
     h = read_hparams(hf_dir)
     items = plan_tensors(h, Checkpoint(hf_dir), outtype)
+    if out is None or out.is_dir():  # the default name counts parameters: known once tensors are planned
+        out = (out or hf_dir) / default_out_name(hf_dir, items, outtype)
+        _check_out(out, force)
+    remove_stale_temps(out.parent, log)
     # next to OUT so that os.replace is an atomic rename on one file system
     tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
     writer = gguf.GGUFWriter(tmp, "llama")

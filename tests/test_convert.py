@@ -389,3 +389,29 @@ def test_out_type_rules():
     assert _out_type("q8_0", "blk.0.ffn_down.weight", (64, 200), H).name == "F16"
     assert _out_type("q4_0", "output.weight", (300, 64), H).name == "Q8_0"
     assert _out_type("bf16", "blk.0.ffn_down.weight", (64, 200), H).name == "BF16"
+
+
+def test_cli_without_o_names_the_output_as_llama_cpp(small_dir, tmp_path):
+    """No -o: the file goes into the model directory, named as convert_hf_to_gguf.py names it
+    (gguf-py's naming convention): `<dir name>[-<size label>]-<OUTTYPE>.gguf`."""
+    d = tmp_path / "tinyllama"
+    shutil.copytree(small_dir, d)
+    result = _cli(d)
+    assert result.exit_code == 0, result.output
+    out = d / "tinyllama-137K-F16.gguf"  # 137,024 parameters, counted as llama.cpp does
+    assert out.is_file() and f"wrote {out}" in result.output, (sorted(p.name for p in d.iterdir()), result.output)
+    assert _meta(out)["general.file_type"] == 1  # MOSTLY_F16
+    # As with -o: an existing file is refused in one line unless --force.
+    before = out.read_bytes()
+    assert f"{out} exists; pass --force" in _error_line(_cli(d))
+    assert out.read_bytes() == before
+    assert _cli(d, "--force").exit_code == 0
+
+    # A name that already carries a size label keeps it; the type is upper case, as llama.cpp's;
+    # -o DIR puts that name in DIR (llama.cpp's --outfile DIR).
+    d, dest = tmp_path / "Tiny-1.5B-Chat", tmp_path / "ggufs"
+    shutil.copytree(small_dir, d)
+    dest.mkdir()
+    result = _cli(d, "--outtype", "q8_0", "-o", dest)
+    assert result.exit_code == 0, result.output
+    assert [p.name for p in dest.iterdir()] == ["Tiny-1.5B-Chat-Q8_0.gguf"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Optional
 
 import typer
 
@@ -11,7 +12,9 @@ from kvcli.cli_common import log, user_errors
 
 def convert_command(
     hf_dir: Path = typer.Argument(..., help="Hugging Face model directory (config.json, weights, tokenizer)."),
-    out: Path = typer.Option(..., "-o", "--outfile", help="GGUF file to write."),
+    out: Optional[Path] = typer.Option(None, "-o", "--outfile", show_default=False,
+                                       help="GGUF file to write; a directory, or none (the model directory), gets a "
+                                            "name as llama.cpp's converter gives, e.g. SmolLM2-135M-Instruct-F16.gguf."),
     outtype: str = typer.Option("f16", "--outtype", help="Weight type: f32, f16, bf16, q8_0 or q4_0."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
 ):
