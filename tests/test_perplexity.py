@@ -128,6 +128,25 @@ def test_too_short_text_is_a_clear_error(tiny, app, tmp_path):
     assert "needs at least 2*n_ctx = 32 tokens, got" in r.stderr and "Traceback" not in r.output
 
 
+@pytest.mark.parametrize("args, words", [
+    (["--chunks", "0"], ["--chunks", "not 0"]),
+    (["--chunks", "-2"], ["--chunks", "-1 (all)", "not -2"]),
+    (["--dtype", "f64"], ["--dtype", "bf16", "'f64'"]),
+    (["-c", "-8"], ["-c/--ctx-size", "not -8"]),
+    (["-c", "0"], ["-c/--ctx-size", "not 0"]),
+    (["-b", "0"], ["-b/--batch-size", "not 0"]),
+    (["-b", "-512"], ["-b/--batch-size", "not -512"]),
+])
+def test_bad_numbers_refused_before_reading(app, tmp_path, args, words):
+    """One line and exit 1 before the text is read or a model loaded: the file and the model named
+    here do not exist, so any later check would complain of them instead."""
+    from cli_checks import assert_clean_error
+
+    r = invoke(app, "-m", tmp_path / "no.gguf", "-f", tmp_path / "no.txt", *args)
+    assert_clean_error(r, *words)
+    assert "tokenizing" not in r.stderr and "no.txt" not in r.stderr
+
+
 def test_kld_formula_and_quantization():
     torch.manual_seed(0)
     logq = torch.log_softmax(torch.randn(5, 300), -1)

@@ -28,6 +28,19 @@ def _write_json(path: Path, data: dict) -> None:
         raise KvcliError(f"cannot write {path}: {e.strerror}") from None
 
 
+def _check_numbers(ctx_size: int, batch_size: int, chunks: int, dtype: str) -> str:
+    """The numeric flags and --dtype, checked before the text is read; returns the dtype's name."""
+    if ctx_size <= 0:  # no "0 = the model's context" here: a chunk's length is the measurement
+        raise KvcliError(f"-c/--ctx-size takes the tokens per chunk, 1 or more, not {ctx_size}")
+    if batch_size <= 0:
+        raise KvcliError(f"-b/--batch-size takes 1 or more, not {batch_size}")
+    if chunks == 0 or chunks < -1:
+        raise KvcliError(f"--chunks takes 1 or more, or -1 (all), not {chunks}")
+    if dtype.lower() not in ("f32", "f16", "bf16"):
+        raise KvcliError(f"--dtype takes f32, f16 or bf16, not {dtype!r}")
+    return dtype.lower()
+
+
 def _progress(console):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -62,14 +75,13 @@ def perplexity_command(
 ):
     """Perplexity of a text with llama-perplexity's method; KL divergence against a base; cache sweep."""
     with user_errors():
+        dtype = _check_numbers(ctx_size, batch_size, chunks, dtype)  # before reading or tokenizing anything
         from kvcli.sweep import parse_sweep, plot_sweep, sweep, sweep_table  # imports torch: not for --help
 
         base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)
         flash = parse_flash_attn(flash_attn)
         threads = parse_threads(threads)
         specs = parse_sweep(sweep_spec) if sweep_spec is not None else None
-        if ctx_size <= 0:
-            raise KvcliError("perplexity needs -c > 0")
         if kl_divergence and kl_divergence_base is None:
             raise KvcliError("--kl-divergence reads the base from --kl-divergence-base FILE")
         if specs and kl_divergence_base is not None:
