@@ -1,6 +1,7 @@
 """ggml block cache types (layer a): byte-exact against gguf-py, sizes, chunked loads, a tiny model.
 
-Set KVCLI_LIBGGML=/path/to/libggml-base.so to also compare with ggml's C `quantize_row_*_ref`.
+Set KVCLI_LIBGGML=/path/to/libggml-base.so to also compare with ggml's C `quantize_row_*_ref`
+(LIBGGML_HOW below says how to build it).
 """
 
 from __future__ import annotations
@@ -20,6 +21,9 @@ TYPES = list(GGML_BLOCKS)  # the ggml block types, compared with gguf-py and lib
 BITS = {"q8_0": 8.5, "q4_0": 4.5, "q4_1": 5.0, "q5_0": 5.5, "q5_1": 6.0, "iq4_nl": 4.5}  # llama.cpp's bpw
 B, T, H, D = 2, 24, 3, 64  # 288 blocks of 32
 LAYER, POS, N_CTX = 1, 7, 40
+LIBGGML_HOW = ("KVCLI_LIBGGML is not set: set it to a built libggml-base.so to compare these bytes with ggml's C "
+               "quantize_row_*_ref too (build it from a llama.cpp checkout: cmake -B build -DBUILD_SHARED_LIBS=ON && "
+               "cmake --build build --target ggml-base; then KVCLI_LIBGGML=$PWD/build/bin/libggml-base.so)")
 
 
 def adversarial_blocks(seed: int = 0) -> np.ndarray:
@@ -141,10 +145,23 @@ def test_random_blocks_many_seeds(name):
     np.testing.assert_array_equal(cls.dequantize_blocks(torch.from_numpy(mine)).numpy(), deq)
 
 
-@pytest.mark.skipif(not os.environ.get("KVCLI_LIBGGML"), reason="KVCLI_LIBGGML (libggml-base.so) not set")
+@pytest.fixture(scope="module")
+def libggml():
+    """ggml's C library named by KVCLI_LIBGGML: skipped (saying how to build it) when unset, a
+    clear failure when set but not loadable."""
+    path = os.environ.get("KVCLI_LIBGGML")
+    if not path:
+        pytest.skip(LIBGGML_HOW)
+    try:
+        return ctypes.CDLL(path)
+    except OSError as e:
+        pytest.fail(f"KVCLI_LIBGGML={path} cannot be loaded ({e}); it should name a built libggml-base.so",
+                    pytrace=False)
+
+
 @pytest.mark.parametrize("name", TYPES)
-def test_bytes_equal_libggml(name):
-    lib = ctypes.CDLL(os.environ["KVCLI_LIBGGML"])
+def test_bytes_equal_libggml(name, libggml):
+    lib = libggml
     cls = STORAGE_TYPES[name]
     x = adversarial_blocks(seed=2)
     out = np.zeros((len(x), cls.block_bytes), np.uint8)
