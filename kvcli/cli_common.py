@@ -4,11 +4,14 @@ flags with their validation). A leaf of the CLI layer: it imports no command, an
 
 from __future__ import annotations
 
+import string
+import sys
 from contextlib import contextmanager
 from pathlib import Path
 from typing import TYPE_CHECKING, Optional
 
 import typer
+from typer.core import TyperGroup
 from rich.console import Console
 from rich.text import Text
 
@@ -31,13 +34,49 @@ def user_errors():
         raise typer.Exit(1) from None
 
 
+class OneLineErrors(TyperGroup):
+    """The command group: a usage error (`-t abc`, an unknown flag, a missing value) is one line and
+    exit code 2, as every other error is one line; a bare `-fa` means `-fa on`, as it did in llama.cpp."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        args = bare_flash_attn(list(sys.argv[1:] if args is None else args))
+        if not standalone_mode:
+            return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        try:
+            code = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+        except typer.TyperException as e:  # click's usage errors (typer vendors click)
+            where = getattr(e, "ctx", None)
+            if type(e).__name__ == "NoArgsIsHelpError":  # bare `kvcli`: the help, as --help
+                typer.echo(where.get_help())
+                sys.exit(0)
+            hint = f" (see `{where.command_path} --help`)" if where is not None else ""
+            err.print(Text.assemble(("error:", "bold red"), f" {e.format_message()}{hint}"), soft_wrap=True)
+            sys.exit(e.exit_code)
+        except typer.Abort:  # Ctrl-C or Ctrl-D outside a command's own handling
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
+FLASH_ATTN_FLAGS = ("-fa", "--flash-attn")
+
+
+def bare_flash_attn(args: list[str]) -> list[str]:
+    """`-fa` with no value (at the end, or before another flag) -> `-fa on`."""
+    out = []
+    for i, a in enumerate(args):
+        out.append(a)
+        if a in FLASH_ATTN_FLAGS and (i + 1 == len(args) or args[i + 1].startswith("-")):
+            out.append("on")
+    return out
+
+
 def log(line: str) -> None:
     err.print(line, markup=False, soft_wrap=True)
 
 
 # ---- the model: positional, as `kvcli run model.gguf`, or -m, as llama.cpp ----
 
-ModelArg = typer.Argument(None, metavar="[MODEL]", show_default=False,
+ModelArg = typer.Argument(None, metavar="MODEL", show_default=False,
                           help="GGUF model file (the same as -m).")
 ModelOpt = typer.Option(None, "-m", "--model",
                         help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).")
@@ -78,7 +117,29 @@ def read_prompt(prompt: Optional[str], file: Optional[Path], encoding: str = "ut
         raise KvcliError(f"unknown --encoding {encoding!r}") from None
 
 
+def process_escapes(text: str) -> str:
+    r"""llama.cpp's -e: \n \r \t \' \" \\ and \xHH (a byte) become what they name; any other
+    backslash is kept as it is."""
+    simple = {"n": b"\n", "r": b"\r", "t": b"\t", "'": b"'", '"': b'"', "\\": b"\\"}
+    out, i = bytearray(), 0
+    while i < len(text):
+        nxt, hex2 = text[i + 1 : i + 2], text[i + 2 : i + 4]
+        if text[i] == "\\" and nxt in simple and nxt:
+            out += simple[nxt]
+            i += 2
+        elif text[i] == "\\" and nxt == "x" and len(hex2) == 2 and all(h in string.hexdigits for h in hex2):
+            out.append(int(hex2, 16))
+            i += 4
+        else:
+            out += text[i].encode("utf-8", "surrogatepass")
+            i += 1
+    return out.decode("utf-8", "replace")
+
+
 # ---- flags every model command takes ----
+
+DtypeOpt = typer.Option("f16", "--dtype", help="Compute dtype: f16 (weights kept in f16; the default), bf16, or f32 "
+                                               "(the exact reference).")
 
 def ctx_option(default: int, help: str) -> typer.models.OptionInfo:
     """-c / --ctx-size, with --ctx as its alias."""
@@ -101,7 +162,8 @@ def parse_threads(threads: Optional[int]) -> Optional[int]:
         raise KvcliError(f"-t/--threads takes 1..{MAX_THREADS} or -1 (all cores), not {threads}")
     return threads
 FlashOpt = typer.Option("auto", "-fa", "--flash-attn",
-                        help="on: online-softmax attention over cache chunks; off: materialized scores; auto = on.")
+                        help="on (or bare -fa): online-softmax attention over cache chunks; off: materialized "
+                             "scores; auto = on.")
 
 
 # llama.cpp's offload flag: read as itself (not as -n gl), and answered with what kvcli does instead
@@ -113,11 +175,15 @@ def note_gpu_layers(value: Optional[str]) -> None:
         log(f"note: -ngl {value} ignored: kvcli runs the whole model on one device; pick it with --device cpu|cuda")
 
 
+FLASH_ATTN_VALUES = {"on": True, "enabled": True, "true": True, "1": True, "auto": True,
+                     "off": False, "disabled": False, "false": False, "0": False}
+
+
 def parse_flash_attn(value: str) -> bool:
-    """llama.cpp's -fa on|off|auto (auto = on: the streamed path is never worse here)."""
-    if value not in ("on", "off", "auto"):
+    """llama.cpp's -fa on|off|auto and its spellings (auto = on: the streamed path is never worse here)."""
+    if value.lower() not in FLASH_ATTN_VALUES:
         raise KvcliError(f"-fa/--flash-attn takes on, off or auto, not {value!r}")
-    return value != "off"
+    return FLASH_ATTN_VALUES[value.lower()]
 
 
 # ---- the cache flags (None = not given, so a flag the mode would ignore is an error) ----

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import secrets
+import time
 from dataclasses import dataclass, field
 from typing import Sequence
 
@@ -11,7 +13,8 @@ import torch
 @dataclass
 class Sampler:
     """llama.cpp's order: repeat penalty -> top-k -> top-p -> min-p -> temperature -> draw.
-    temp <= 0 is greedy (argmax after the penalty), deterministic."""
+    temp <= 0 is greedy (argmax after the penalty), deterministic. seed -1 draws one (kept in
+    .seed, so it can be printed and the run repeated). banned ids are never drawn (--ignore-eos)."""
 
     temp: float = 0.8
     top_k: int = 40
@@ -20,17 +23,20 @@ class Sampler:
     repeat_penalty: float = 1.0
     repeat_last_n: int = 64
     seed: int = -1
+    banned: frozenset[int] = frozenset()
     generator: torch.Generator = field(init=False, repr=False)
 
     def __post_init__(self):
+        if self.seed < 0:
+            self.seed = secrets.randbits(32)  # llama.cpp's seeds are 32-bit too
         self.generator = torch.Generator()
-        if self.seed >= 0:
-            self.generator.manual_seed(self.seed)
-        else:
-            self.generator.seed()
+        self.generator.manual_seed(self.seed)
+        self._banned = torch.tensor(sorted(self.banned), dtype=torch.long)
 
     def sample(self, logits: torch.Tensor, history: Sequence[int]) -> int:
         """logits (V,) f32 for the next position; history: the ids so far (prompt included)."""
+        if self.banned:
+            logits = logits.index_fill(0, self._banned.to(logits.device), float("-inf"))
         if self.repeat_penalty != 1.0 and self.repeat_last_n != 0 and history:
             recent = history if self.repeat_last_n < 0 else history[-self.repeat_last_n :]
             ids = torch.tensor(sorted(set(recent)), dtype=torch.long)
@@ -56,6 +62,9 @@ class Sampler:
 
 @dataclass
 class Timings:
+    """llama.cpp's perf counters: load, prompt eval, eval, and the wall time since `started`."""
+    load_seconds: float = 0.0
+    started: float = field(default_factory=time.perf_counter)
     prompt_tokens: int = 0
     prompt_seconds: float = 0.0
     eval_tokens: int = 0
@@ -72,8 +81,11 @@ class Timings:
 
     def report(self) -> list[str]:
         """llama.cpp's perf lines: time, tokens, ms per token, tokens per second."""
-        return [self._line("prompt eval time", self.prompt_seconds, self.prompt_tokens, "tokens"),
-                self._line("       eval time", self.eval_seconds, self.eval_tokens, "runs  ")]
+        total_ms = (time.perf_counter() - self.started) * 1000
+        return [f"       load time = {self.load_seconds * 1000:10.2f} ms",
+                self._line("prompt eval time", self.prompt_seconds, self.prompt_tokens, "tokens"),
+                self._line("       eval time", self.eval_seconds, self.eval_tokens, "runs  "),
+                f"      total time = {total_ms:10.2f} ms / {self.prompt_tokens + self.eval_tokens:5d} tokens"]
 
     @staticmethod
     def _line(label: str, seconds: float, n: int, unit: str) -> str:
