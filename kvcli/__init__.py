@@ -2,7 +2,7 @@
 
 from kvcli.errors import KvcliError
 
-__all__ = ["KvcliError", "Llama"]
+__all__ = ["KvcliError", "Llama", "Sampler"]
 
 
 def __getattr__(name):
@@ -11,4 +11,8 @@ def __getattr__(name):
         from kvcli.llama import Llama
 
         return Llama
+    if name == "Sampler":
+        from kvcli.generate import Sampler
+
+        return Sampler
     raise AttributeError(name)

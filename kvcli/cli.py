@@ -196,28 +196,37 @@ def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights.")):
     """The largest context each cache choice reaches in a memory budget, and the one to use."""
     with user_errors():
-        from kvcli.fit import fit_table, load_sweep, parse_bytes, weight_bytes
+        from kvcli.fit import basis, fit_table, load_sweep, parse_bytes, weight_bytes
         from kvcli.gguf_file import open_gguf
 
         if device not in ("cpu", "cuda"):
             raise KvcliError(f"--device takes cpu or cuda, not {device!r}")
+        if dtype not in ("f32", "f16", "bf16"):
+            raise KvcliError(f"--dtype takes f32, f16 or bf16, not {dtype!r}")
+        if ctx < 0:
+            raise KvcliError(f"--ctx takes a token count, or 0 for the model's trained context; not {ctx}")
         budget = parse_bytes(mem)
+        measured = load_sweep(sweep)
         g = open_gguf(resolve_model(model_arg, model))
         wanted = ctx or g.config.context_length
         wb = weight_bytes(g, dtype)
-        rows, best = fit_table(g.config, wb, budget, wanted, load_sweep(sweep))
+        rows, best = fit_table(g.config, wb, budget, wanted, measured)
         out = Console(highlight=False)
         out.print(f"{Path(g.path).name} on {device}: budget {budget / GIB:.2f} GiB, weights {wb / GIB:.2f} GiB "
-                  f"(--dtype {dtype}), working buffers {WORKING_BYTES // MIB} MiB")
+                  f"(--dtype {dtype}), working buffers {WORKING_BYTES // MIB} MiB", markup=False, soft_wrap=True)
         table = [[r["choice"], f"{r['bits']:.2f}", f"{r['bytes_per_token']:,.0f}", f"{r['max_ctx']:,}",
                   "-" if r["kld"] is None else f"{r['kld']:.6f}"] for r in rows]
         out.print(_rich_table("largest context per cache choice", ["cache", "bits", "bytes/token", "max ctx", "KLD"], table))
         if best is None:
-            raise KvcliError(f"no cache choice reaches a {wanted}-token context in {mem}; the best reaches "
+            if wb + WORKING_BYTES >= budget:
+                raise KvcliError(f"the weights ({wb / GIB:.2f} GiB) and working buffers ({WORKING_BYTES // MIB} MiB) "
+                                 f"alone fill {mem}; no context fits")
+            raise KvcliError(f"no cache choice reaches a {wanted:,}-token context in {mem}; the best reaches "
                              f"{max(r['max_ctx'] for r in rows):,} tokens")
         flags = (f"--cache-mode hidden -cth {best['type_h']}" if best["mode"] == "hidden"
                  else f"-ctk {best['type_k']} -ctv {best['type_v']}")
-        out.print(f"recommended for {wanted:,} tokens: {best['choice']} ({flags} -c {wanted})")
+        out.print(f"recommended for {wanted:,} tokens: {best['choice']} ({flags} -c {wanted})", markup=False, soft_wrap=True)
+        out.print(f"  based on: {basis(best, sweep and sweep.name)}", markup=False, soft_wrap=True)
 
 
 @app.command(short_help="llama-bench: tokens/s and cache MiB per cache choice.")

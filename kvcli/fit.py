@@ -7,26 +7,32 @@ import json
 import math
 from pathlib import Path
 
-from kvcli.cache import CacheSpec, cache_bytes
+from kvcli.cache import CacheSpec, cache_bytes, resolve_type
 from kvcli.errors import KvcliError
 from kvcli.memory import WORKING_BYTES, largest_context
 
 UNITS = {"": 1, "b": 1, "k": 1024, "kb": 1000, "kib": 1024, "m": 1024**2, "mb": 1000**2, "mib": 1024**2,
          "g": 1024**3, "gb": 1000**3, "gib": 1024**3, "t": 1024**4, "tb": 1000**4, "tib": 1024**4}
+MAX_BYTES = 1024**5
 
 
 def parse_bytes(text: str) -> int:
-    """'8GiB', '8G' (binary), '8GB' (decimal), '512MiB', '1000000' -> bytes."""
+    """'8GiB', '8G' (binary), '8GB' (decimal), '512MiB', '1000000' -> bytes (at least 1, at most 1 PiB)."""
     s = text.strip().lower().replace(" ", "")
     number = s.rstrip("abcdefghijklmnopqrstuvwxyz")
     unit = s[len(number):]
     try:
         value = float(number)
     except ValueError:
-        raise KvcliError(f"cannot read a memory size from {text!r} (e.g. 8GiB, 512MiB)") from None
-    if unit not in UNITS or value <= 0:
+        value = math.nan
+    if unit not in UNITS or not math.isfinite(value):
         raise KvcliError(f"cannot read a memory size from {text!r} (e.g. 8GiB, 512MiB)")
-    return int(value * UNITS[unit])
+    n = int(value * UNITS[unit])
+    if n < 1:
+        raise KvcliError(f"a memory size must be at least 1 byte, not {text!r} (e.g. 8GiB, 512MiB)")
+    if n > MAX_BYTES:  # no machine has more; past it the context arithmetic leaves exact integers
+        raise KvcliError(f"a memory size of {text!r} is more than 1 PiB; give a real budget (e.g. 8GiB)")
+    return n
 
 
 def choices() -> list[CacheSpec]:
@@ -41,43 +47,82 @@ def choices() -> list[CacheSpec]:
 
 def load_sweep(path: Path | None) -> dict[CacheSpec, float | None]:
     """Mean KLD per cache choice from `kvcli perplexity --sweep --json` rows (older rows, without
-    a mode, are K/V pairs)."""
+    a mode, are K/V pairs); the sweep's base choice is KLD 0 against itself."""
     if path is None:
         return {}
     try:
-        rows = json.loads(Path(path).read_text())
+        data = json.loads(Path(path).read_text())
     except (OSError, ValueError) as e:
         raise KvcliError(f"cannot read sweep results {path}: {e}") from None
-    rows = rows.get("rows", rows) if isinstance(rows, dict) else rows
+    rows = data.get("rows") if isinstance(data, dict) else data
+    if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+        raise KvcliError(f"{path} holds no sweep rows: expected the JSON of `kvcli perplexity --sweep --json`")
     out = {}
     for r in rows:
         k, v, h = r.get("type_k", r.get("k")), r.get("type_v", r.get("v")), r.get("type_h")
         if r.get("mode") == "hidden" and h:
-            out[CacheSpec("hidden", type_h=h)] = r.get("mean_kld", r.get("kld"))
+            spec = CacheSpec("hidden", type_h=h)
         elif k and v:
-            out[CacheSpec("kv", k, v)] = r.get("mean_kld", r.get("kld"))
+            spec = CacheSpec("kv", k, v)
+        else:
+            continue
+        kld = r.get("mean_kld", r.get("kld"))
+        if kld is not None and not (isinstance(kld, (int, float)) and math.isfinite(kld)):
+            raise KvcliError(f"{path}: the KLD of {spec.label} is not a number: {kld!r}")
+        out[spec] = kld
+    if isinstance(data, dict) and data.get("base_mode") in ("kv", "hidden"):
+        base = CacheSpec(data["base_mode"], data.get("base_type_k") or "f16", data.get("base_type_v") or "f16",
+                         data.get("base_type_h") or "f16")
+        out.setdefault(base, 0.0)
     return out
+
+
+REFERENCE = CacheSpec("kv", "f16", "f16")  # llama.cpp's default cache, and the base a sweep measures against by default
+
+
+def _types(spec: CacheSpec) -> tuple[str, ...]:
+    return (spec.type_h,) if spec.mode == "hidden" else (spec.type_k, spec.type_v)
+
+
+def _rank(row: dict) -> tuple:
+    """Sort key, most faithful first: f32 last (twice f16's bytes, no gain over the f16 reference),
+    the reference itself, then lowest measured KLD, then unmeasured ones by the bits of their least
+    precise part (K, V or hidden state) and then their mean bits: the closest to f16. Ties keep
+    the table's order."""
+    spec = row["spec"]
+    weakest = min(resolve_type(t).bits_per_element() for t in _types(spec))
+    return ("f32" in _types(spec), spec != REFERENCE, row["kld"] is None, row["kld"] or 0.0, -weakest, -row["bits"])
 
 
 def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict[CacheSpec, float | None]
               ) -> tuple[list[dict], dict | None]:
     """One row per choice: bytes per token, largest context, KLD where the sweep has it; and the
-    recommendation: the most faithful choice reaching ctx_wanted (lowest KLD, else most bits)."""
+    recommendation: the best by `_rank` among the choices reaching ctx_wanted (None if none does)."""
     room = mem - weight_bytes - WORKING_BYTES
     rows = []
     for ch in choices():
         n = largest_context(config, ch, room)
         kld = sweep.get(ch)
-        rows.append({"choice": ch.label, "mode": ch.mode, "type_k": ch.type_k if ch.mode == "kv" else None,
+        rows.append({"choice": ch.label, "spec": ch, "mode": ch.mode, "type_k": ch.type_k if ch.mode == "kv" else None,
                      "type_v": ch.type_v if ch.mode == "kv" else None, "type_h": ch.type_h if ch.mode == "hidden" else None,
                      "bits": ch.bits_per_element(), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
                      "max_ctx": n, "kld": kld})
     reach = [r for r in rows if r["max_ctx"] >= ctx_wanted]
-    if not reach:
-        return rows, None
-    best = min(reach, key=lambda r: (r["kld"] if r["kld"] is not None else math.inf, -r["bits"]))
-    return rows, best
+    return rows, (min(reach, key=_rank) if reach else None)
 
+
+def basis(best: dict, sweep_name: str | None) -> str:
+    """What the recommendation rests on, in words (the rule of `_rank` that decided it)."""
+    if best["spec"] == REFERENCE:
+        return "f16/f16 is the reference precision and it fits (f32 would take twice the bytes for no gain)"
+    if best["kld"] is not None:
+        return (f"the lowest measured KLD among the choices that fit: {best['kld']:.6f} in {sweep_name} "
+                f"(unmeasured choices rank after measured ones)")
+    rule = ("bits per element, the closest to f16: the most bits in the least precise part (K, V or hidden "
+            "state), then the most on average")
+    if sweep_name is None:
+        return rule + " (no --sweep: `kvcli perplexity --sweep --json` results rank by measured KLD)"
+    return rule + f" (none of the choices that fit is measured in {sweep_name})"
 
 
 def weight_bytes(gguf_model, dtype: str) -> int:

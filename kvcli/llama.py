@@ -1,14 +1,19 @@
 """The Python API the CLI uses: `Llama("model.gguf", ctx_size=4096)`.
 
-    llm = Llama("models/SmolLM2-135M-Instruct.Q4_1.gguf", ctx_size=2048)
-    ids = llm.tokenize("The capital of France is")
-    for token in llm.generate(ids, n_predict=16, sampler=Sampler(temp=0)): ...
-    llm.logits(ids)  # (T, vocab) f32, fresh cache
+    from kvcli import Llama, Sampler
+    llm = Llama(ctx_size=2048)  # the default model, fetched on first use, as `kvcli run`
+    ids = llm.generate("The capital of France is", n_predict=16, sampler=Sampler(temp=0))
+    print(llm.detokenize(list(ids)))
+    llm.logits(llm.tokenize("The capital of France is"))  # (T, vocab) f32, fresh cache
+
+Every error a caller can cause (a bad path, an empty prompt, an id outside the vocabulary, a
+context that does not fit) is a KvcliError with one line.
 """
 
 from __future__ import annotations
 
 import os
+import sys
 import time
 from typing import Callable, Iterator, Sequence
 
@@ -21,17 +26,68 @@ from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
 from kvcli.memory import check_fits
 from kvcli.model import Transformer, dtype_from_name
+from kvcli.models import pull_default
 from kvcli.shapes import random_weights, shape_config, weight_bytes
 
 
+class _DefaultModel:
+    """`Llama()`'s model_path: a sentinel, so that leaving the path out means the default model
+    while an explicit `Llama(None)` is an error (a forgotten variable, not a request)."""
+
+    def __repr__(self) -> str:
+        return "DEFAULT"
+
+
+DEFAULT = _DefaultModel()
+
+
+def _model_file(model_path, log: Callable[[str], None] | None) -> str | os.PathLike:
+    """The GGUF file `Llama` loads: model_path, or the default model (found, or fetched as `kvcli run`)."""
+    if model_path is DEFAULT:
+        return pull_default(log=log or (lambda line: print(line, file=sys.stderr)))
+    if not isinstance(model_path, (str, os.PathLike)):
+        raise KvcliError(f"model_path takes a GGUF file's path, not {model_path!r} "
+                         f"(leave it out for the default model)")
+    return model_path
+
+
 class Llama:
-    def __init__(self, model_path: str | os.PathLike | None, ctx_size: int = 4096, dtype: str = "f16",
+    """A GGUF Llama-family model with its cache: tokenize, generate, logits.
+
+    One cache of n_seq sequences and ctx_size tokens is allocated up front, of the chosen type
+    (cache_mode kv: K/V of cache_type_k/_v; hidden: each layer's normed input as cache_type_h).
+    `generate` and `eval` append to sequence 0; `logits` runs on a fresh cache.
+    """
+
+    def __init__(self, model_path: str | os.PathLike = DEFAULT, ctx_size: int = 4096, dtype: str = "f16",
                  cache_type_k: str = "f16", cache_type_v: str = "f16", batch_size: int = 512,
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
                  device: str = "cpu", log: Callable[[str], None] | None = None, cache_mode: str = "kv",
                  cache_type_h: str = "f16", shape: str | None = None):
-        """shape: a published configuration with random weights (kvcli.shapes), for speed and
-        memory only; model_path is then ignored and there is no tokenizer."""
+        """Load the model and allocate its cache.
+
+        model_path: a GGUF file; left out, the default model (SmolLM2-135M-Instruct Q4_1) from the
+            models folder ($KVCLI_MODELS, kvcli.models.models_dir), fetched there on first use.
+        ctx_size: cache cells per sequence (0: the model's trained context).
+        dtype: compute dtype of the weights, f32, f16 or bf16.
+        cache_type_k, cache_type_v, cache_type_h, cache_mode: the cache choice, as -ctk/-ctv/-cth/--cache-mode
+            (cache_mode auto: hidden only where it is smaller than K+V).
+        batch_size: tokens per forward pass when prefilling.  n_seq: sequences the cache holds.
+        threads: torch CPU threads (None: torch's choice).  flash_attn: the fused attention path.
+        device: cpu or cuda.  log: called with each progress line (the cache's size; a fetch's).
+        shape: a published configuration with random weights (kvcli.shapes), for speed and
+            memory only; model_path is then ignored and there is no tokenizer.
+
+        Raises KvcliError (one line): model_path None or not a path, a missing file, a directory, a
+        file that is not a valid GGUF Llama model, a negative ctx_size or threads, n_seq below 1, an
+        unknown dtype or cache type, no CUDA for device cuda, a cache that does not fit in memory, a
+        default model that cannot be fetched.
+        """
+        if threads is not None and threads < 0:
+            raise KvcliError(f"threads takes a count of 1 or more (None: torch's choice), not {threads}")
+        if ctx_size < 0 or n_seq < 1:
+            raise KvcliError(f"ctx_size takes 0 (the trained context) or more and n_seq 1 or more, "
+                             f"not {ctx_size} and {n_seq}")
         if threads:
             torch.set_num_threads(threads)
         if dtype not in ("f32", "f16", "bf16"):
@@ -42,7 +98,7 @@ class Llama:
         if self.synthetic:
             self.gguf, self.config = None, shape_config(shape)
         else:
-            self.gguf = open_gguf(model_path)
+            self.gguf = open_gguf(_model_file(model_path, log))
             self.config = self.gguf.config
         c = self.config
         self.n_ctx = ctx_size if ctx_size > 0 else c.context_length
@@ -78,6 +134,7 @@ class Llama:
 
     @property
     def tokenizer(self):
+        """The model's kvcli.tokenizer.Tokenizer, built from the GGUF metadata on first use."""
         if self._tokenizer is None:
             from kvcli.tokenizer import Tokenizer
 
@@ -88,17 +145,30 @@ class Llama:
         return self._tokenizer
 
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:
+        """Token ids of `text`, BOS first when add_bos (None: the file's add_bos_token). special:
+        control tokens written in the text (e.g. <|im_start|>) become their ids, as a CLI prompt."""
         return self.tokenizer.encode(text, add_bos=add_bos, parse_special=special)
 
     def detokenize(self, ids: Sequence[int]) -> str:
+        """Text of `ids`, control tokens dropped. Raises KvcliError for an id outside the vocabulary."""
         return self.tokenizer.decode(ids)
 
     def reset(self) -> None:
+        """Forget what sequence 0 holds: the next `generate` or `eval` starts at position 0."""
         self.n_past = 0
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
-            raise KvcliError(f"token id out of range 0..{self.config.vocab_size - 1}")
+            bad = int(ids.min()) if int(ids.min()) < 0 else int(ids.max())
+            raise KvcliError(f"token id {bad} is outside the vocabulary: ids run 0..{self.config.vocab_size - 1}")
+
+    def _prompt_ids(self, prompt: str | Sequence[int]) -> list[int]:
+        """Text is tokenized as the CLI's prompt (BOS per the file, control tokens parsed); ids pass."""
+        ids = self.tokenize(prompt, special=True) if isinstance(prompt, str) else list(prompt)
+        if not ids:
+            raise KvcliError("nothing to evaluate: the prompt is empty" if isinstance(prompt, str)
+                             else "nothing to evaluate: empty token list")
+        return ids
 
     def new_cache(self, spec: CacheSpec):
         """A cache of another choice, shaped and built as this run's own (sequences, context,
@@ -106,11 +176,24 @@ class Llama:
         return make_cache(self.config, spec, self.n_ctx, self.n_seq, device=self.device, attention=self.attention,
                           model=self.model)
 
-    def logits(self, ids: Sequence[int] | torch.Tensor, cache=None) -> torch.Tensor:
+    def logits(self, ids: str | Sequence[int] | torch.Tensor, cache=None) -> torch.Tensor:
         """Fresh cache, prefill `ids` (T,) or (B, T) in batches; all logits (T, V) or (B, T, V) f32.
-        cache: one from `new_cache` to run through instead of the model's own."""
+        Text is tokenized first, as in `generate`. cache: one from `new_cache` to run through
+        instead of the model's own (which then forgets sequence 0, as `reset`).
+
+        Raises KvcliError: no tokens, ragged rows, more rows than n_seq, more than ctx_size tokens,
+        an id outside the vocabulary."""
         cache = self.cache if cache is None else cache
-        tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        if isinstance(ids, str):
+            ids = self._prompt_ids(ids)
+        try:
+            tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device)
+        except (ValueError, TypeError) as e:  # ragged rows, non-integers
+            raise KvcliError(f"logits takes token ids as (T,) or (B, T): {e}") from None
+        if tokens.dim() not in (1, 2):
+            raise KvcliError(f"logits takes token ids as (T,) or (B, T), not shape {tuple(tokens.shape)}")
+        if tokens.numel() == 0:
+            raise KvcliError("nothing to evaluate: empty token list")
         single = tokens.dim() == 1
         tokens = tokens[None] if single else tokens
         if tokens.shape[0] > self.n_seq:
@@ -128,26 +211,43 @@ class Llama:
         logits = torch.cat(out, dim=1)[:n]
         return logits[0] if single else logits
 
-    def eval(self, ids: Sequence[int]) -> torch.Tensor:
-        """Append ids to sequence 0 at n_past (prefill in batches); logits of the last one (V,)."""
+    def _check_append(self, ids: list[int]) -> None:
         if not ids:
             raise KvcliError("nothing to evaluate: empty token list")
         if self.n_past + len(ids) > self.n_ctx:
             raise KvcliError(f"{self.n_past + len(ids)} tokens do not fit in the {self.n_ctx}-token context")
         if min(ids) < 0 or max(ids) >= self.config.vocab_size:  # on the list: no device sync per token
-            raise KvcliError(f"token id out of range 0..{self.config.vocab_size - 1}")
+            bad = min(ids) if min(ids) < 0 else max(ids)
+            raise KvcliError(f"token id {bad} is outside the vocabulary: ids run 0..{self.config.vocab_size - 1}")
+
+    def eval(self, ids: Sequence[int]) -> torch.Tensor:
+        """Append ids to sequence 0 at n_past (prefill in batches); logits of the last one (V,) f32.
+        Raises KvcliError: no ids, past the context, an id outside the vocabulary."""
+        ids = list(ids)
+        self._check_append(ids)
         tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device)[None]
         for i in range(0, tokens.shape[1], self.batch_size):
             logits = self.model(tokens[:, i : i + self.batch_size], self.cache, self.n_past, last_only=True)
             self.n_past += min(self.batch_size, tokens.shape[1] - i)
         return logits[0, -1]
 
-    def generate(self, prompt: Sequence[int], n_predict: int = -1, sampler: Sampler | None = None,
+    def generate(self, prompt: str | Sequence[int], n_predict: int = -1, sampler: Sampler | None = None,
                  timings: Timings | None = None, stop_at_eog: bool = True) -> Iterator[int]:
         """Evaluate `prompt` after what the cache holds, then yield up to n_predict sampled ids
-        (-1: until end of generation or a full context). Stops at an end-of-generation token."""
-        sampler = sampler or Sampler()
-        timings = timings if timings is not None else Timings()
+        (-1: until end of generation or a full context). Stops after an end-of-generation token
+        (yielded) unless stop_at_eog is False.
+
+        prompt: text, tokenized as the CLI's prompt, or token ids.  sampler: kvcli.generate.Sampler
+        (default: llama.cpp's, temp 0.8).  timings: a kvcli.generate.Timings to fill.
+        Raises KvcliError here, before the first id: an empty prompt, one past the context, an id
+        outside the vocabulary."""
+        ids = self._prompt_ids(prompt)
+        self._check_append(ids)
+        return self._generate(ids, n_predict, sampler or Sampler(), timings if timings is not None else Timings(),
+                              stop_at_eog)
+
+    def _generate(self, prompt: list[int], n_predict: int, sampler: Sampler, timings: Timings,
+                  stop_at_eog: bool) -> Iterator[int]:
         history = list(prompt)
         t0 = time.perf_counter()
         logits = self.eval(list(prompt))

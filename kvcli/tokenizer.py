@@ -226,9 +226,16 @@ class Tokenizer:
 
     # --- decoding -----------------------------------------------------------------------------------
 
+    def _type(self, id: int) -> int:
+        """The token type of `id`; KvcliError outside the vocabulary (a negative id would otherwise
+        index from the end)."""
+        if not 0 <= id < self.vocab_size:
+            raise KvcliError(f"token id {id} is outside the vocabulary: ids run 0..{self.vocab_size - 1}")
+        return self.types[id]
+
     def token_to_bytes(self, id: int) -> bytes:
         """The raw bytes of one token's text, as llama.cpp's token_to_piece(special=True)."""
-        text, kind = self.tokens[id], self.types[id]
+        kind, text = self._type(id), self.tokens[id]
         if kind == BYTE:  # "<0x0A>"
             return bytes([int(text[3:-1], 16)])
         if kind != NORMAL:
@@ -239,7 +246,7 @@ class Tokenizer:
 
     def _visible_bytes(self, id: int, special: bool) -> bytes:
         # llama.cpp hides control and unknown tokens unless special=True, and never renders unused ones.
-        kind = self.types[id]
+        kind = self._type(id)
         if kind == UNUSED or (not special and kind in (CONTROL, UNKNOWN)):
             return b""
         return self.token_to_bytes(id)

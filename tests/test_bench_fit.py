@@ -29,7 +29,7 @@ def test_parse_bytes(text, value):
 
 
 def test_parse_bytes_rejects_nonsense():
-    for bad in ("", "lots", "8XB", "-1G"):
+    for bad in ("", "lots", "8XB", "-1G", "0", "0GiB", "0.0000001", "nan", "inf", "1e400", "1e30GiB"):
         with pytest.raises(KvcliError):
             parse_bytes(bad)
 
@@ -61,6 +61,40 @@ def test_fit_recommends_most_faithful_that_reaches(tmp_path):
     assert best is None
 
 
+def _reaching(choice, n):
+    """A budget whose cache room holds exactly n tokens of `choice` (weights 270 MiB)."""
+    return 270 * 2**20 + WORKING_BYTES + cache_bytes(SMOL, choice, n)
+
+
+def test_fit_never_recommends_f32_over_the_f16_reference():
+    rows, best = fit_table(SMOL, 270 * 2**20, 2 * 2**30, 8192, {})
+    assert best["choice"] == "kv f16/f16" and {r["choice"] for r in rows if r["max_ctx"] >= 8192} > {"kv f32/f32"}
+    # a sweep against an f32 base gives f32 KLD 0 and f16 a little more: f16 is still the pick
+    rows, best = fit_table(SMOL, 270 * 2**20, 2 * 2**30, 8192, {CacheSpec("kv", "f32", "f32"): 0.0,
+                                                                 CacheSpec("kv", "f16", "f16"): 1e-6})
+    assert best["choice"] == "kv f16/f16"
+
+
+def test_fit_without_sweep_ranks_by_the_least_precise_part():
+    """q4_hadamard/f16 has more bits on average (10.25) than q8_0/q8_0 (8.5), but 4.5-bit keys."""
+    mem = _reaching(CacheSpec("kv", "q8_0", "q8_0"), 65536)
+    _, best = fit_table(SMOL, 270 * 2**20, mem, 65536, {})
+    assert best["choice"] == "kv q8_0/q8_0"
+    _, best = fit_table(SMOL, 270 * 2**20, _reaching(CacheSpec("kv", "q5_1", "q5_1"), 65536), 65536, {})
+    assert best["choice"] == "kv q5_1/q5_1"
+
+
+def test_fit_ranks_measured_choices_before_unmeasured_ones():
+    mem = _reaching(CacheSpec("kv", "q8_0", "q8_0"), 65536)  # q8_0, q5_x, q4_x reach; f16 does not
+    sweep = {CacheSpec("kv", "q4_hadamard", "q4_hadamard"): 0.018, CacheSpec("kv", "q4_0", "q4_0"): 0.14}
+    _, best = fit_table(SMOL, 270 * 2**20, mem, 65536, sweep)
+    assert best["choice"] == "kv q4_hadamard/q4_hadamard" and best["kld"] == 0.018
+    sweep[CacheSpec("kv", "f16", "f16")] = 0.0  # measured, but out of reach
+    sweep[CacheSpec("hidden", type_h="q4_0")] = 0.001
+    _, best = fit_table(SMOL, 270 * 2**20, mem, 65536, sweep)
+    assert best["choice"] == "hidden q4_0"
+
+
 def test_load_sweep_reads_kv_and_hidden_rows(tmp_path):
     from kvcli.fit import load_sweep
 
@@ -70,6 +104,21 @@ def test_load_sweep_reads_kv_and_hidden_rows(tmp_path):
                                       {"type_k": "f16", "type_v": "f16", "mean_kld": 0.0}]}))  # a row without mode
     assert load_sweep(p) == {CacheSpec("kv", "q8_0", "q4_0"): 0.1, CacheSpec("hidden", type_h="q8_0"): 0.2,
                              CacheSpec("kv", "f16", "f16"): 0.0}
+
+
+def test_load_sweep_counts_its_base_as_kld_zero_and_refuses_junk(tmp_path):
+    from kvcli.fit import load_sweep
+
+    p = tmp_path / "sweep.json"
+    p.write_text(json.dumps({"base_mode": "kv", "base_type_k": "q8_0", "base_type_v": "q8_0", "base_type_h": "f16",
+                             "rows": [{"mode": "kv", "type_k": "q4_0", "type_v": "q4_0", "mean_kld": 0.1}]}))
+    assert load_sweep(p) == {CacheSpec("kv", "q4_0", "q4_0"): 0.1, CacheSpec("kv", "q8_0", "q8_0"): 0.0}
+    for junk, word in [({"a": 1}, "no sweep rows"), ([1, 2], "no sweep rows"), ("text", "no sweep rows"),
+                       ([{"type_k": "q4_0", "type_v": "q4_0", "mean_kld": "big"}], "not a number"),
+                       ([{"type_k": "q9", "type_v": "q4_0", "mean_kld": 0.1}], "unknown cache type")]:
+        p.write_text(json.dumps(junk))
+        with pytest.raises(KvcliError, match=word):
+            load_sweep(p)
 
 
 def test_bench_rows_and_formats(tmp_path):
@@ -106,8 +155,53 @@ def test_info_and_fit_cli(default_model, tmp_path):
                                  "--sweep", str(sweep)])
     assert r.exit_code == 0, r.output
     assert "recommended for 32,768 tokens: kv q8_0/q8_0" in r.stdout
-    r = CliRunner().invoke(app, ["fit", "-m", str(default_model), "--mem", "300MiB", "--ctx", "32768"])
-    assert r.exit_code == 1 and "no cache choice reaches" in r.stderr
+    assert f"based on: the lowest measured KLD among the choices that fit: 0.000500 in {sweep.name}" in r.stdout
+    r = CliRunner().invoke(app, ["fit", "-m", str(default_model), "--mem", "600MiB", "--ctx", "32768"])
+    assert r.exit_code == 1 and "no cache choice reaches a 32,768-token context in 600MiB" in r.stderr
+
+
+def test_fit_cli_recommends_the_reference_and_says_why(default_model):
+    """The issue's case: 2 GiB and the trained 8,192 tokens once recommended f32/f32."""
+    from cli_checks import runner
+
+    from kvcli.cli import app
+
+    r = runner.invoke(app, ["fit", "-m", str(default_model), "--mem", "2GiB"])
+    assert r.exit_code == 0, r.output
+    assert "recommended for 8,192 tokens: kv f16/f16 (-ctk f16 -ctv f16 -c 8192)" in r.stdout
+    assert "based on: f16/f16 is the reference precision" in r.stdout
+    r = runner.invoke(app, ["fit", "-m", str(default_model), "--mem", "1GiB", "--ctx", "80000"])
+    assert r.exit_code == 0, r.output
+    assert "recommended for 80,000 tokens: kv q4_0/q4_0" in r.stdout and "based on: bits per element" in r.stdout
+
+
+@pytest.mark.parametrize("args,words", [
+    (["--mem", "2GiB", "--ctx", "-5"], ["--ctx", "-5"]),
+    (["--mem", "0"], ["at least 1 byte", "'0'"]),
+    (["--mem", "-2GiB"], ["at least 1 byte"]),
+    (["--mem", "lots"], ["cannot read a memory size", "'lots'"]),
+    (["--mem", "1e400"], ["cannot read a memory size"]),
+    (["--mem", "1e30GiB"], ["more than 1 PiB"]),
+    (["--mem", "100MiB"], ["weights", "alone fill 100MiB"]),
+    (["--mem", "2GiB", "--dtype", "f64"], ["--dtype", "f64"]),
+])
+def test_fit_cli_refuses_bad_values_in_one_line(default_model, args, words):
+    from cli_checks import assert_clean_error, runner
+
+    from kvcli.cli import app
+
+    assert_clean_error(runner.invoke(app, ["fit", "-m", str(default_model), *args]), *words)
+
+
+def test_fit_cli_refuses_a_sweep_file_that_is_not_one(default_model, tmp_path):
+    from cli_checks import assert_clean_error, runner
+
+    from kvcli.cli import app
+
+    p = tmp_path / "s[1].json"
+    p.write_text('{"model": "x"}')
+    assert_clean_error(runner.invoke(app, ["fit", "-m", str(default_model), "--mem", "2GiB", "--sweep", str(p)]),
+                       "s[1].json", "no sweep rows")
 
 
 def test_bench_cli_synthetic_shape_and_errors():
