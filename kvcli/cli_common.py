@@ -146,21 +146,27 @@ def ctx_option(default: int, help: str) -> typer.models.OptionInfo:
     return typer.Option(default, "-c", "--ctx-size", "--ctx", help=help)
 
 
-ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (-1: all cores; default: torch's choice).")
+ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (-1: all cores; default: the cores idle at "
+                                                         "start).")
 MAX_THREADS = 1024
 
 
-def parse_threads(threads: Optional[int]) -> Optional[int]:
-    """-t as llama.cpp reads it: -1 is every core; 0, other negatives and absurd counts are refused."""
+def parse_threads(threads: Optional[int]) -> int:
+    """-t as llama.cpp reads it: -1 is every core; 0, other negatives and absurd counts are refused.
+    Not given: the cores idle at start (kvcli.threads says why)."""
     import os
 
+    from kvcli.threads import default_threads
+
     if threads is None:
-        return None
+        return default_threads(log)
     if threads == -1:
         return os.cpu_count() or 1
     if not 1 <= threads <= MAX_THREADS:
         raise KvcliError(f"-t/--threads takes 1..{MAX_THREADS} or -1 (all cores), not {threads}")
     return threads
+
+
 FlashOpt = typer.Option("auto", "-fa", "--flash-attn",
                         help="on (or bare -fa): online-softmax attention over cache chunks; off: materialized "
                              "scores; auto = on.")
