@@ -14,8 +14,9 @@ import typer
 from rich.console import Console
 
 from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, GpuLayersOpt, ModelArg, ModelOpt,
-                              OneLineErrors, ThreadsOpt, cache_spec, ctx_option, log, note_gpu_layers, parse_flash_attn,
-                              parse_threads, process_escapes, read_prompt, resolve_model, user_errors)
+                              OneLineErrors, ThreadsOpt, cache_spec, ctx_option, log, note_gpu_layers, parse_device,
+                              parse_dtype, parse_flash_attn, parse_threads, process_escapes, read_prompt, resolve_model,
+                              user_errors)
 from kvcli.commands.convert import convert_command
 from kvcli.commands.perplexity import perplexity_command
 from kvcli.errors import KvcliError
@@ -103,8 +104,7 @@ def run(
         threads = parse_threads(threads)
         note_gpu_layers(gpu_layers)
         fa = parse_flash_attn(flash_attn)
-        if device not in ("cpu", "cuda"):
-            raise KvcliError(f"--device takes cpu or cuda, not {device!r}")
+        device, dtype = parse_device(device), parse_dtype(dtype)
         if n_predict < -2:
             raise KvcliError(f"-n/--n-predict takes a count, -1 or -2, not {n_predict}")
         if ctx_size < 0:
@@ -169,6 +169,7 @@ def info(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
                                                           "or f32.")):
     """Model metadata, weight types and bytes, and the cache bytes per token of every cache choice."""
     with user_errors():
+        dtype = parse_dtype(dtype)
         from kvcli.fit import cache_bytes, choices, weight_bytes
         from kvcli.gguf_file import open_gguf
 
@@ -199,10 +200,7 @@ def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         from kvcli.fit import basis, fit_table, load_sweep, parse_bytes, weight_bytes
         from kvcli.gguf_file import open_gguf
 
-        if device not in ("cpu", "cuda"):
-            raise KvcliError(f"--device takes cpu or cuda, not {device!r}")
-        if dtype not in ("f32", "f16", "bf16"):
-            raise KvcliError(f"--dtype takes f32, f16 or bf16, not {dtype!r}")
+        device, dtype = parse_device(device), parse_dtype(dtype)
         if ctx < 0:
             raise KvcliError(f"--ctx takes a token count, or 0 for the model's trained context; not {ctx}")
         budget = parse_bytes(mem)
@@ -252,6 +250,7 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
         from kvcli.bench import combinations, run_bench, split_list, to_csv, to_json, to_markdown
         from kvcli.cache import resolve_type
 
+        device, dtype = parse_device(device), parse_dtype(dtype)
         if output not in ("md", "json", "csv"):
             raise KvcliError(f"-o takes md, json or csv, not {output!r}")
         if repetitions < 1:

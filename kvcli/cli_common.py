@@ -49,7 +49,9 @@ class OneLineErrors(TyperGroup):
             if type(e).__name__ == "NoArgsIsHelpError":  # bare `kvcli`: the help, as --help
                 typer.echo(where.get_help())
                 sys.exit(0)
-            hint = f" (see `{where.command_path} --help`)" if where is not None else ""
+            path = where.command_path if where is not None else " ".join(
+                ["kvcli"] + [a for a in args[:1] if a in self.commands])
+            hint = f" (see `{path} --help`)"
             err.print(Text.assemble(("error:", "bold red"), f" {e.format_message()}{hint}"), soft_wrap=True)
             sys.exit(e.exit_code)
         except typer.Abort:  # Ctrl-C or Ctrl-D outside a command's own handling
@@ -137,6 +139,23 @@ def process_escapes(text: str) -> str:
 
 
 # ---- flags every model command takes ----
+
+DTYPES = ("f32", "f16", "bf16")
+DEVICES = ("cpu", "cuda")
+
+
+def parse_dtype(value: str) -> str:
+    """--dtype: f32, f16 or bf16 (any case)."""
+    if value.lower() not in DTYPES:
+        raise KvcliError(f"--dtype takes f32, f16 or bf16, not {value!r}")
+    return value.lower()
+
+
+def parse_device(value: str) -> str:
+    if value not in DEVICES:
+        raise KvcliError(f"--device takes cpu or cuda, not {value!r}")
+    return value
+
 
 DtypeOpt = typer.Option("f16", "--dtype", help="Compute dtype: f16 (weights kept in f16; the default), bf16, or f32 "
                                                "(the exact reference).")

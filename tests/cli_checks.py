@@ -11,9 +11,10 @@ def run(*args, **kw):
     return runner.invoke(app, ["run", *map(str, args)], **kw)
 
 
-def assert_clean_error(result, *words):
-    """Exit code 1, no traceback, exactly one `error:` line (the last), naming each of `words`."""
-    assert result.exit_code == 1, result.output
+def assert_clean_error(result, *words, code=1):
+    """Exit code `code` (1; 2 for a usage error, as click), no traceback, exactly one `error:` line
+    (the last), naming each of `words`."""
+    assert result.exit_code == code, result.output
     assert result.exception is None or isinstance(result.exception, SystemExit)
     assert "Traceback" not in result.output
     errors = [ln for ln in result.stderr.splitlines() if ln.startswith("error:")]

@@ -601,21 +601,67 @@ def test_sigkill_at_random_points(hf_dir, tmp_path):
     (["run", "-p", "hi", "--device", "tpu"], ["--device"]),
     (["run", "-f", "[draft].txt"], ["prompt file not found: [draft].txt"]),
     (["run", "-m", "model[q4].gguf", "-p", "hi"], ["model file not found: model[q4].gguf"]),
+    (["run", "-p", "hi", "-c", "99999999999"], ["does not fit in memory"]),
+    (["run", "-p", "hi", "-s", "-5"], ["-s/--seed", "not -5"]),
+    (["run", "-p", "hi", "-fa", "maybe"], ["-fa/--flash-attn", "'maybe'"]),
+    (["run", "-p", "hi", "-r", ""], ["-r/--reverse-prompt"]),
+    (["run", "-p", "hi", "--dtype", "f64"], ["--dtype", "'f64'"]),
+    (["run", "-f", "."], ["is a directory"]),
+    (["bench", "-p", "-8", "-n", "4"], ["-p/--n-prompt", "not -8"]),
+    (["bench", "-p", "8", "-n", "x"], ["comma-separated integers"]),
+    (["bench", "-p", "8", "-fa", "sometimes"], ["-fa/--flash-attn"]),
+    (["bench", "-m", "m[1].gguf"], ["model file not found: m[1].gguf"]),
+    (["perplexity", "-f", "TEXT", "--chunks", "0"], ["--chunks", "not 0"]),
+    (["perplexity", "-f", "TEXT", "--dtype", "f64"], ["--dtype", "'f64'"]),
+    (["perplexity", "-f", "[draft].txt"], ["[draft].txt"]),
+    (["perplexity", "-f", "TEXT", "-c", "-1"], ["-c/--ctx-size"]),
+    (["fit", "--mem", "2GiB", "--ctx", "-5"], ["--ctx", "-5"]),
+    (["fit", "--mem", "lots"], ["lots"]),
+    (["fit", "--mem", "0"], ["at least 1 byte"]),
+    (["fit", "-m", "a[b].gguf", "--mem", "1GiB"], ["a[b].gguf"]),
+    (["info", "--dtype", "f64"], ["--dtype"]),
+    (["info", "-m", "[x].gguf"], ["[x].gguf"]),
+    (["convert", "no[dir]"], ["no[dir]"]),
+    (["convert", "TEXT", "-o", "x.gguf"], ["TEXT"]),
 ])
 def test_hostile_values_give_one_line(tiny, tmp_path, monkeypatch, args, words):
     monkeypatch.chdir(tmp_path)
     (tmp_path / "TEXT").write_text("the cat sat on the mat " * 20)
-    if "-m" not in args:
+    if "-m" not in args and args[0] not in ("convert", "pull"):
         args = [args[0], "-m", str(tiny), *args[1:]]
     assert_clean_error(runner.invoke(app, [str(a) for a in args]), *words)
 
 
+@pytest.mark.parametrize("args, words", [  # wrong types, unknown flags, missing values: click's usage errors
+    (["run", "-p", "hi", "-t", "abc"], ["'-t' / '--threads'", "integer"]),
+    (["run", "-p", "hi", "-c", "1e9"], ["'-c'"]),
+    (["run", "-p", "hi", "--temp", "hot"], ["--temp"]),
+    (["run", "-p", "hi", "-ngl"], ["-ngl", "requires an argument"]),
+    (["run", "-p", "hi", "--bogus"], ["No such option: --bogus"]),
+    (["bench", "-r", "abc"], ["-r"]),
+    (["perplexity", "-f", "TEXT", "-c", "abc"], ["-c"]),
+    (["perplexity"], ["Missing option", "-f"]),
+    (["fit"], ["Missing option", "--mem"]),
+    (["info", "--ctx", "5"], ["No such option"]),
+    (["pull", "--bogus"], ["No such option"]),
+    (["convert"], ["Missing argument"]),
+    (["runn"], ["No such command", "run"]),
+])
+def test_usage_errors_give_one_line(tmp_path, monkeypatch, args, words):
+    monkeypatch.chdir(tmp_path)
+    r = runner.invoke(app, args)
+    assert_clean_error(r, *words, code=2)
+    assert "--help" in r.stderr  # where to look
+
+
 def test_llama_cpp_habits(tiny):
     """-t -1 is every core; -n -2 runs to the context's end; -ngl is read as itself and answered
-    with a note; --version prints the version."""
-    r = run("-m", tiny, "-p", "the", "-n", 2, "--temp", 0, "-t", -1, "-ngl", 99)
+    with a note; a bare -fa is on; --version prints the version."""
+    r = run("-m", tiny, "-p", "the", "-n", 2, "--temp", 0, "-t", -1, "-ngl", 99, "-fa")
     assert r.exit_code == 0, r.output
     assert "note: -ngl 99 ignored" in r.stderr and "--device" in r.stderr
+    r = run("-m", tiny, "-fa", "-p", "the", "-n", 2, "--temp", 0, "-fa", "false")
+    assert r.exit_code == 0, r.output
     r = run("-m", tiny, "-p", "the", "-n", -2, "--temp", 0, "-c", 12)
     assert r.exit_code == 0 and "context full" in r.stderr, r.output
     r = runner.invoke(app, ["--version"])

@@ -12,7 +12,7 @@ from typing import Optional
 import typer
 
 from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt, cache_spec,
-                              ctx_option, err, log, parse_flash_attn, parse_threads, read_prompt, resolve_model,
+                              ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, read_prompt, resolve_model,
                               user_errors)
 from kvcli.errors import KvcliError
 from kvcli.kld import KLD_TABLE_HEADER, KldStats, kld_report, kld_terms
@@ -36,9 +36,7 @@ def _check_numbers(ctx_size: int, batch_size: int, chunks: int, dtype: str) -> s
         raise KvcliError(f"-b/--batch-size takes 1 or more, not {batch_size}")
     if chunks == 0 or chunks < -1:
         raise KvcliError(f"--chunks takes 1 or more, or -1 (all), not {chunks}")
-    if dtype.lower() not in ("f32", "f16", "bf16"):
-        raise KvcliError(f"--dtype takes f32, f16 or bf16, not {dtype!r}")
-    return dtype.lower()
+    return parse_dtype(dtype)
 
 
 def _progress(console):
