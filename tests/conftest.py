@@ -51,3 +51,14 @@ def tiny(hf, tmp_path_factory):
     from tiny import write_gguf
 
     return write_gguf(hf, tmp_path_factory.mktemp("tiny") / "tiny.gguf")
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_restored():
+    """Commands run in-process set torch's (process-wide) thread count: give the next test the
+    count it had, so results do not depend on test order."""
+    import torch
+
+    n = torch.get_num_threads()
+    yield
+    torch.set_num_threads(n)

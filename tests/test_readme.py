@@ -37,7 +37,7 @@ def readme_commands() -> list[str]:
 SHRINK = {  # command -> {flag: value}: sizes only; every other flag stays as written
     "run": {"-n": "4"},
     "bench": {"-p": "8", "-n": "2", "-d": "0,16", "-r": "1"},
-    "perplexity": {"--chunks": "1"},
+    "perplexity": {"-c": "128", "--chunks": "1"},
 }
 
 
