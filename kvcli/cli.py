@@ -13,8 +13,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, GpuLayersOpt, ModelArg, ModelOpt,
-                              OneLineErrors, ThreadsOpt, cache_spec, ctx_option, log, note_gpu_layers, parse_device,
+from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt,
+                              OneLineErrors, ThreadsOpt, cache_spec, ctx_option, log, parse_device,
                               parse_dtype, parse_flash_attn, parse_threads, process_escapes, read_prompt, resolve_model,
                               user_errors)
 from kvcli.commands.convert import convert_command
@@ -94,7 +94,6 @@ def run(
     dtype: str = DtypeOpt,
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the model and its cache run."),
-    gpu_layers: Optional[str] = GpuLayersOpt,
 ):
     """Complete a prompt (llama-completion), or chat through the model's template (llama-cli): with
     no prompt on a model that has a chat template, or with -cnv (then -p/-f is the system prompt).
@@ -102,7 +101,6 @@ def run(
     with user_errors():
         spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)  # bad flags fail before loading
         threads = parse_threads(threads)
-        note_gpu_layers(gpu_layers)
         fa = parse_flash_attn(flash_attn)
         device, dtype = parse_device(device), parse_dtype(dtype)
         if n_predict < -2:

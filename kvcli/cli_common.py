@@ -40,6 +40,14 @@ class OneLineErrors(TyperGroup):
 
     def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
         args = bare_flash_attn(list(sys.argv[1:] if args is None else args))
+        try:
+            args, offload = strip_offload_flags(args)
+        except KvcliError as e:
+            err.print(Text.assemble(("error:", "bold red"), f" {e} (see `kvcli --help`)"), soft_wrap=True)
+            sys.exit(2)
+        if offload:
+            log(f"note: {' '.join(offload)} ignored: kvcli runs the whole model on one device; "
+                f"pick it with --device cpu|cuda")
         if not standalone_mode:
             return super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
         try:
@@ -191,13 +199,28 @@ FlashOpt = typer.Option("auto", "-fa", "--flash-attn",
                              "scores; auto = on.")
 
 
-# llama.cpp's offload flag: read as itself (not as -n gl), and answered with what kvcli does instead
-GpuLayersOpt = typer.Option(None, "-ngl", "--n-gpu-layers", "--gpu-layers", hidden=True, metavar="N")
+# llama.cpp's GPU-offload flags (and how many values each takes): accepted on every command and
+# answered with one note, since kvcli runs the whole model on the one device --device picks.
+OFFLOAD_FLAGS = {"-ngl": 1, "--n-gpu-layers": 1, "--gpu-layers": 1, "-sm": 1, "--split-mode": 1, "-mg": 1,
+                 "--main-gpu": 1, "-ts": 1, "--tensor-split": 1, "-nkvo": 0, "--no-kv-offload": 0}
 
 
-def note_gpu_layers(value: Optional[str]) -> None:
-    if value is not None:
-        log(f"note: -ngl {value} ignored: kvcli runs the whole model on one device; pick it with --device cpu|cuda")
+def strip_offload_flags(args: list[str]) -> tuple[list[str], list[str]]:
+    """(args without the offload flags, the flags taken out with their values)."""
+    kept, dropped, i = [], [], 0
+    while i < len(args):
+        flag, _, inline = args[i].partition("=")
+        n = OFFLOAD_FLAGS.get(flag)
+        if n is None:
+            kept.append(args[i])
+            i += 1
+            continue
+        if n and not inline and (i + 1 >= len(args) or args[i + 1].startswith("--")):
+            raise KvcliError(f"option {flag} requires an argument")
+        taken = args[i : i + 1 + (0 if inline else n)]
+        dropped += taken
+        i += len(taken)
+    return kept, dropped
 
 
 FLASH_ATTN_VALUES = {"on": True, "enabled": True, "true": True, "1": True, "auto": True,

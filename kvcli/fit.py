@@ -87,11 +87,13 @@ def _types(spec: CacheSpec) -> tuple[str, ...]:
 def _rank(row: dict) -> tuple:
     """Sort key, most faithful first: f32 last (twice f16's bytes, no gain over the f16 reference),
     the reference itself, then lowest measured KLD, then unmeasured ones by the bits of their least
-    precise part (K, V or hidden state) and then their mean bits: the closest to f16. Ties keep
-    the table's order."""
+    precise part (K, V or hidden state), rotated types first at equal bits, and then their mean
+    bits: the closest to f16. Ties keep the table's order."""
     spec = row["spec"]
     weakest = min(resolve_type(t).bits_per_element() for t in _types(spec))
-    return ("f32" in _types(spec), spec != REFERENCE, row["kld"] is None, row["kld"] or 0.0, -weakest, -row["bits"])
+    unrotated = sum(not resolve_type(t).rotated for t in _types(spec))
+    return ("f32" in _types(spec), spec != REFERENCE, row["kld"] is None, row["kld"] or 0.0, -weakest, unrotated,
+            -row["bits"])
 
 
 def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict[CacheSpec, float | None]
@@ -119,7 +121,8 @@ def basis(best: dict, sweep_name: str | None) -> str:
         return (f"the lowest measured KLD among the choices that fit: {best['kld']:.6f} in {sweep_name} "
                 f"(unmeasured choices rank after measured ones)")
     rule = ("bits per element, the closest to f16: the most bits in the least precise part (K, V or hidden "
-            "state), then the most on average")
+            "state), rotated types first at equal bits (they lose less: benchmarks/README.md), then the most bits "
+            "on average")
     if sweep_name is None:
         return rule + " (no --sweep: `kvcli perplexity --sweep --json` results rank by measured KLD)"
     return rule + f" (none of the choices that fit is measured in {sweep_name})"

@@ -172,7 +172,9 @@ def test_fit_cli_recommends_the_reference_and_says_why(default_model):
     assert "based on: f16/f16 is the reference precision" in r.stdout
     r = runner.invoke(app, ["fit", "-m", str(default_model), "--mem", "1GiB", "--ctx", "80000"])
     assert r.exit_code == 0, r.output
-    assert "recommended for 80,000 tokens: kv q4_0/q4_0" in r.stdout and "based on: bits per element" in r.stdout
+    # 4.5 bits: the rotated q4_hadamard before q4_0 and iq4_nl, which lose more at the same bits
+    assert "recommended for 80,000 tokens: kv q4_hadamard/q4_hadamard" in r.stdout
+    assert "based on: bits per element" in r.stdout and "rotated types first" in r.stdout
 
 
 @pytest.mark.parametrize("args,words", [

@@ -660,8 +660,12 @@ def test_llama_cpp_habits(tiny):
     r = run("-m", tiny, "-p", "the", "-n", 2, "--temp", 0, "-t", -1, "-ngl", 99, "-fa")
     assert r.exit_code == 0, r.output
     assert "note: -ngl 99 ignored" in r.stderr and "--device" in r.stderr
-    r = run("-m", tiny, "-fa", "-p", "the", "-n", 2, "--temp", 0, "-fa", "false")
+    r = run("-m", tiny, "-fa", "-p", "the", "-n", 2, "--temp", 0, "-fa", "false", "-sm", "row", "-nkvo", "-ts", "3,1")
     assert r.exit_code == 0, r.output
+    assert "note: -sm row -nkvo -ts 3,1 ignored" in r.stderr
+    for command in (["bench", "-p", "4", "-n", "0", "-r", "1"], ["perplexity", "-f", __file__, "-c", "16", "--chunks", "1"]):
+        r = runner.invoke(app, [command[0], "-m", str(tiny), "-ngl", "99", *command[1:]])
+        assert r.exit_code == 0 and "note: -ngl 99 ignored" in r.stderr, r.output
     r = run("-m", tiny, "-p", "the", "-n", -2, "--temp", 0, "-c", 12)
     assert r.exit_code == 0 and "context full" in r.stderr, r.output
     r = runner.invoke(app, ["--version"])

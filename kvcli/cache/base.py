@@ -26,6 +26,9 @@ class Store:
 
     name: ClassVar[str]
     block_size: ClassVar[int] = 1  # elements per block along the head dimension
+    # Rotated before quantizing (outliers spread over the head): at equal bits it loses less than
+    # an unrotated type (benchmarks/README.md), so `kvcli fit` ranks it first without a sweep.
+    rotated: ClassVar[bool] = False
     block_bytes: ClassVar[int]  # bytes per block, scales included
 
     def __init_subclass__(cls, **kwargs):

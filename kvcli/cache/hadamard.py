@@ -87,6 +87,7 @@ class HadamardQ4Store(Store):
     """Rotated, offset vectors as 4-bit codes in int4 GEMM tiles (keys and values differ), bf16 scales."""
 
     name = "q4_hadamard"
+    rotated = True
     block_size, block_bytes = 32, 18  # 16 bytes of codes and a bf16 scale per 32 elements: 4.5 bits
 
     def __init__(self, *args, tile: int | None = None, **kwargs):
