@@ -317,12 +317,12 @@ def load(tensor, form: str):
     if form in ("int4", "int8"):
         b = _blocks(tensor)
         d = torch.from_numpy(b["d"].astype(np.float32))  # (N, K / 32)
-        m = torch.from_numpy(b["m"].astype(np.float32)) if "m" in b.dtype.names else torch.zeros_like(d)
-        _check_finite(tensor.name, d, m)
+        m = torch.from_numpy(b["m"].astype(np.float32)) if "m" in b.dtype.names else None  # Q4_1's min
+        _check_finite(tensor.name, d, *([] if m is None else [m]))
     if form == "int4":
         qs = b["qs"]  # (N, K / 32, 16): element j in the low nibble of byte j, j + 16 in the high one
         codes = torch.from_numpy(np.concatenate([qs & 15, qs >> 4], -1).reshape(len(qs), -1))  # (N, K) 0..15
-        return Int4.from_codes(codes, d, m + 8 * d)
+        return Int4.from_codes(codes, d, torch.zeros_like(d) if m is None else m + 8 * d)
     if form == "int8":
         return Int8.from_codes(torch.from_numpy(np.ascontiguousarray(b["qs"]).reshape(len(b), -1)), d)
     return Dense(torch.from_numpy(dequantize(tensor)).to(_DENSE[form]))
