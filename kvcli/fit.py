@@ -133,10 +133,10 @@ def weight_bytes(gguf_model, dtype: str, weights: str = "native", device: str = 
     from kvcli.shapes import weight_bytes as of_config
 
     return of_config(gguf_model.config, dtype, "output.weight" in gguf_model.tensors, weights,
-                     _types(gguf_model), device)
+                     _tensor_types(gguf_model), device)
 
 
-def _types(gguf_model) -> dict[str, str]:
+def _tensor_types(gguf_model) -> dict[str, str]:
     return {n: t.tensor_type.name for n, t in gguf_model.tensors.items()}
 
 
@@ -146,7 +146,7 @@ def resident_table(gguf_model, dtype: str, weights: str = "native", device: str 
     from kvcli.weights import resident_form
 
     held = resident_weight_bytes(gguf_model.config, dtype, "output.weight" in gguf_model.tensors, weights,
-                                 _types(gguf_model), device)
+                                 _tensor_types(gguf_model), device)
     rows: dict[tuple[str, str], list[int]] = {}
     for name, n in held.items():
         t = gguf_model.tensors[name]
