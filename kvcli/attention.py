@@ -80,7 +80,8 @@ def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> tor
 def hidden_kernel_covers(q: torch.Tensor, cache) -> bool:
     """The hidden-state decode kernel: T = 1, dense x, a power-of-two head size >= 32 (tl.dot needs 16 a side)."""
     D, h = q.shape[-1], cache.h.kernel_layout()
-    return q.shape[1] == 1 and h is not None and h.kind in DENSE_KINDS and D >= 32 and D & (D - 1) == 0
+    dense = hasattr(cache.model.blocks[0].wkv, "w")  # the kernel reads a plain K/V weight (packed forms: CPU only)
+    return dense and q.shape[1] == 1 and h is not None and h.kind in DENSE_KINDS and D >= 32 and D & (D - 1) == 0
 
 
 def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> torch.Tensor:
@@ -90,7 +91,7 @@ def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch)
 
     block = cache.model.blocks[layer]
     cos, sin = cache.cos_sin()
-    return attend_hidden_kernel(q, cache.h.data[layer], block.wqkv[block.q_dim :], cos, sin, pos, **launch)
+    return attend_hidden_kernel(q, cache.h.data[layer], block.wkv.w, cos, sin, pos, **launch)
 
 
 def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool = True) -> torch.Tensor:

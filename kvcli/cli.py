@@ -15,7 +15,7 @@ from rich.console import Console
 
 from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt,
                               OneLineErrors, ThreadsOpt, cache_spec, ctx_option, log, parse_device,
-                              parse_dtype, parse_flash_attn, parse_threads, process_escapes, read_prompt, resolve_model,
+                              parse_dtype, parse_flash_attn, parse_weights, WeightsOpt, parse_threads, process_escapes, read_prompt, resolve_model,
                               user_errors)
 from kvcli.commands.convert import convert_command
 from kvcli.commands.perplexity import perplexity_command
@@ -92,6 +92,7 @@ def run(
     cache_type_h: Optional[str] = CthOpt,
     flash_attn: str = FlashOpt,
     dtype: str = DtypeOpt,
+    weights: str = WeightsOpt,
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the model and its cache run."),
 ):
@@ -102,7 +103,7 @@ def run(
         spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)  # bad flags fail before loading
         threads = parse_threads(threads)
         fa = parse_flash_attn(flash_attn)
-        device, dtype = parse_device(device), parse_dtype(dtype)
+        device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
         if n_predict < -2:
             raise KvcliError(f"-n/--n-predict takes a count, -1 or -2, not {n_predict}")
         if ctx_size < 0:
@@ -129,10 +130,10 @@ def run(
 
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
                     batch_size=batch_size, threads=threads, flash_attn=fa, log=log,
-                    cache_mode=spec.mode, cache_type_h=spec.type_h, device=device)
+                    cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights)
         c = llm.config
         log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
-            f"{llm.n_ctx} ctx, {dtype} compute, loaded in {llm.load_seconds:.2f} s)")
+            f"{llm.n_ctx} ctx, {dtype} compute, {weights} weights {llm.model.weight_bytes() / MIB:.1f} MiB, loaded in {llm.load_seconds:.2f} s)")
         if llm.n_ctx > c.context_length:
             log(f"warning: model was trained on only {c.context_length} context tokens ({llm.n_ctx} specified)")
         chat = conversation if conversation is not None else (not text and bool(llm.tokenizer.chat_template))
@@ -164,11 +165,12 @@ def _rich_table(title: str, columns: list[str], rows: list[list[str]]):
 @app.command(short_help="Model metadata, weights and cache bytes per token.")
 def info(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
          dtype: str = typer.Option("f16", "--dtype", help="Compute dtype the weight bytes are given for: f16, bf16 "
-                                                          "or f32.")):
+                                                          "or f32."),
+         weights: str = WeightsOpt):
     """Model metadata, weight types and bytes, and the cache bytes per token of every cache choice."""
     with user_errors():
-        dtype = parse_dtype(dtype)
-        from kvcli.fit import cache_bytes, choices, weight_bytes
+        dtype, weights = parse_dtype(dtype), parse_weights(weights)
+        from kvcli.fit import cache_bytes, choices, resident_table, weight_bytes
         from kvcli.gguf_file import open_gguf
 
         g = open_gguf(resolve_model(model_arg, model))
@@ -180,7 +182,11 @@ def info(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
                   f"rope base {c.rope_base:g}, rms eps {c.rms_eps:g}")
         types = ", ".join(f"{n} x {t}" for t, n in sorted(g.weight_types().items()))
         out.print(f"weights: {types}; {g.weight_bytes() / MIB:.2f} MiB in the file, "
-                  f"{weight_bytes(g, dtype) / MIB:.2f} MiB in memory at --dtype {dtype}")
+                  f"{weight_bytes(g, dtype, weights) / MIB:.2f} MiB in memory (--weights {weights}, --dtype {dtype})")
+        rows = [[t, form, str(n), f"{file / MIB:.2f}", f"{held / MIB:.2f}"]
+                for t, form, n, file, held in resident_table(g, dtype, weights)]
+        out.print(_rich_table("resident weights per tensor type", ["type", "form", "tensors", "file MiB", "memory MiB"],
+                              rows))
         rows = [[ch.label, f"{ch.bits_per_element():.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
                  f"{cache_bytes(c, ch, 32768) / MIB:,.1f}"] for ch in choices()]
         out.print(_rich_table("cache bytes per token", ["cache", "bits", "bytes/token", "MiB @ 32k"], rows))
@@ -192,24 +198,25 @@ def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         ctx: int = ctx_option(0, "Context wanted (0: the model's trained context)."),
         sweep: Optional[Path] = typer.Option(None, "--sweep", help="JSON from `kvcli perplexity --sweep --json`."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda (the budget is that device's memory)."),
-        dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights.")):
+        dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights kept dense."),
+        weights: str = WeightsOpt):
     """The largest context each cache choice reaches in a memory budget, and the one to use."""
     with user_errors():
         from kvcli.fit import basis, fit_table, load_sweep, parse_bytes, weight_bytes
         from kvcli.gguf_file import open_gguf
 
-        device, dtype = parse_device(device), parse_dtype(dtype)
+        device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
         if ctx < 0:
             raise KvcliError(f"--ctx takes a token count, or 0 for the model's trained context; not {ctx}")
         budget = parse_bytes(mem)
         measured = load_sweep(sweep)
         g = open_gguf(resolve_model(model_arg, model))
         wanted = ctx or g.config.context_length
-        wb = weight_bytes(g, dtype)
+        wb = weight_bytes(g, dtype, weights, device)
         rows, best = fit_table(g.config, wb, budget, wanted, measured)
         out = Console(highlight=False)
         out.print(f"{Path(g.path).name} on {device}: budget {budget / GIB:.2f} GiB, weights {wb / GIB:.2f} GiB "
-                  f"(--dtype {dtype}), working buffers {WORKING_BYTES // MIB} MiB", markup=False, soft_wrap=True)
+                  f"(--weights {weights}, --dtype {dtype}), working buffers {WORKING_BYTES // MIB} MiB", markup=False, soft_wrap=True)
         table = [[r["choice"], f"{r['bits']:.2f}", f"{r['bytes_per_token']:,.0f}", f"{r['max_ctx']:,}",
                   "-" if r["kld"] is None else f"{r['kld']:.6f}"] for r in rows]
         out.print(_rich_table("largest context per cache choice", ["cache", "bits", "bytes/token", "max ctx", "KLD"], table))
@@ -239,6 +246,7 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
           output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
           threads: Optional[int] = ThreadsOpt,
           dtype: str = DtypeOpt,
+          weights: str = WeightsOpt,
           device: str = typer.Option("cpu", "--device", help="cpu or cuda."),
           shape: Optional[str] = typer.Option(None, "--shape", help="A published configuration with random weights "
                                               "(llama2-7b, llama2-13b, llama3-8b, mistral-7b, smollm2-135m): speed "
@@ -248,7 +256,7 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
         from kvcli.bench import combinations, run_bench, split_list, to_csv, to_json, to_markdown
         from kvcli.cache import resolve_type
 
-        device, dtype = parse_device(device), parse_dtype(dtype)
+        device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
         if output not in ("md", "json", "csv"):
             raise KvcliError(f"-o takes md, json or csv, not {output!r}")
         if repetitions < 1:
@@ -284,7 +292,7 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
 
         def make(ctx, mode, tk, tv, th, fa):
             return Llama(path, ctx_size=ctx, dtype=dtype, cache_type_k=tk, cache_type_v=tv, cache_mode=mode,
-                         cache_type_h=th, flash_attn=fa, device=device, shape=shape)
+                         cache_type_h=th, flash_attn=fa, device=device, shape=shape, weights=weights)
 
         combos = combinations(modes, ctks, ctvs, cths, fas)
         backend = "CUDA" if device == "cuda" else "CPU"

@@ -165,8 +165,20 @@ def parse_device(value: str) -> str:
     return value
 
 
-DtypeOpt = typer.Option("f16", "--dtype", help="Compute dtype: f16 (weights kept in f16; the default), bf16, or f32 "
-                                               "(the exact reference).")
+DtypeOpt = typer.Option("f16", "--dtype", help="Compute dtype of the activations (and of matrices kept dense): f16 "
+                                               "(the default), bf16, or f32 (the exact reference, with --weights f32).")
+WeightsOpt = typer.Option("native", "--weights", help="Resident weights: native (Q4_0/Q4_1 packed int4, Q8_0 int8, "
+                                                      "others dense at --dtype; the default), f16, or f32 (every "
+                                                      "matrix dense; f32 is the exact reference).")
+
+
+def parse_weights(value: str) -> str:
+    """--weights: native, f16 or f32 (any case)."""
+    from kvcli.weights import WEIGHTS
+
+    if value.lower() not in WEIGHTS:
+        raise KvcliError(f"--weights takes native, f16 or f32, not {value!r}")
+    return value.lower()
 
 def ctx_option(default: int, help: str) -> typer.models.OptionInfo:
     """-c / --ctx-size, with --ctx as its alias."""

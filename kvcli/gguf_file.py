@@ -339,9 +339,14 @@ def _dequantizable_types(gguf: Any) -> set:
 
 def read_tensor(model: GGUFModel, name: str) -> np.ndarray:
     """One tensor dequantized to float32, in torch (rows, cols) order."""
+    return dequantize(model.tensors[name])
+
+
+def dequantize(t: Any) -> np.ndarray:
+    """A gguf.ReaderTensor dequantized to float32, in torch (rows, cols) order."""
     import gguf
 
-    t = model.tensors[name]
+    name = t.name
     try:
         values = gguf.quants.dequantize(t.data, t.tensor_type)
     except NotImplementedError:

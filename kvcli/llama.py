@@ -24,6 +24,7 @@ from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
+from kvcli.weights import WEIGHTS, Dense, load, resident_form
 from kvcli.memory import check_fits
 from kvcli.model import Transformer, dtype_from_name
 from kvcli.models import pull_default
@@ -63,13 +64,17 @@ class Llama:
                  cache_type_k: str = "f16", cache_type_v: str = "f16", batch_size: int = 512,
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
                  device: str = "cpu", log: Callable[[str], None] | None = None, cache_mode: str = "kv",
-                 cache_type_h: str = "f16", shape: str | None = None):
+                 cache_type_h: str = "f16", shape: str | None = None, weights: str = "native"):
         """Load the model and allocate its cache.
 
         model_path: a GGUF file; left out, the default model (SmolLM2-135M-Instruct Q4_1) from the
             models folder ($KVCLI_MODELS, kvcli.models.models_dir), fetched there on first use.
         ctx_size: cache cells per sequence (0: the model's trained context).
-        dtype: compute dtype of the weights, f32, f16 or bf16.
+        dtype: compute dtype, f32, f16 or bf16: of the activations, and of matrices kept dense
+            under native weights (a type with no packed form).
+        weights: native (each matrix in the resident form of its GGUF type, kvcli.weights: Q4_0/Q4_1
+            packed int4, Q8_0 int8, others dense at dtype), f16 or f32 (every matrix dense; f32 is
+            the exact reference).
         cache_type_k, cache_type_v, cache_type_h, cache_mode: the cache choice, as -ctk/-ctv/-cth/--cache-mode
             (cache_mode auto: hidden only where it is smaller than K+V).
         batch_size: tokens per forward pass when prefilling.  n_seq: sequences the cache holds.
@@ -92,6 +97,8 @@ class Llama:
             torch.set_num_threads(threads)
         if dtype not in ("f32", "f16", "bf16"):
             raise KvcliError(f"unknown --dtype {dtype!r}; choose f32, f16 or bf16")
+        if weights not in WEIGHTS:
+            raise KvcliError(f"unknown weights {weights!r}; choose {', '.join(WEIGHTS)}")
         if device != "cpu" and not torch.cuda.is_available():
             raise KvcliError(f"device {device!r} asked for, but torch sees no CUDA GPU")
         self.synthetic = shape is not None
@@ -110,22 +117,32 @@ class Llama:
         self.cache_mode = self.cache_spec.mode
         self.attention = Attention(flash=flash_attn)  # how every cache of this run attends
         untied = not self.synthetic and "output.weight" in self.gguf.tensors
+        types = None if self.synthetic else {n: t.tensor_type.name for n, t in self.gguf.tensors.items()}
+        self.weights = weights
         if device == "cpu":
-            check_fits(weight_bytes(c, dtype, untied), c, self.cache_spec, self.n_ctx, n_seq,
+            check_fits(weight_bytes(c, dtype, untied, weights, types, device), c, self.cache_spec, self.n_ctx, n_seq,
                        what=f"a {self.n_ctx}-token context")
 
         t0 = time.perf_counter()
         compute = dtype_from_name(dtype)
         if self.synthetic:
-            weights = dict(random_weights(c, compute, device))
+            dense = compute if weights == "native" else dtype_from_name(weights)
+            tensors = {n: Dense(w.to(dense)) if w.dim() > 1 else w for n, w in random_weights(c, compute, device)}
         else:
             names = list(expected_shapes(c)) + [n for n in optional_shapes(c) if n in self.gguf.tensors]
-            # Matrices go to the compute dtype one by one (peak: one f32 matrix, not the model); norms stay f32.
-            weights = {n: (w if w.dim() == 1 else w.to(compute))
-                       for n in names for w in [torch.from_numpy(read_tensor(self.gguf, n))]}
+            # Straight from the memory map to the resident form, one tensor at a time (peak: the
+            # resident weights plus one tensor's copy); norms stay f32.
+            tensors = {}
+            for n in names:
+                t = self.gguf.tensors[n]
+                if len(t.shape) == 1:
+                    tensors[n] = torch.from_numpy(read_tensor(self.gguf, n))
+                else:
+                    form = load(t, resident_form(t.tensor_type.name, weights, dtype, device))
+                    tensors[n] = form.to(device) if device != "cpu" else form
         self.device = device
-        self.model = Transformer(c, weights, compute, self.n_ctx).to(device)
-        del weights
+        self.model = Transformer(c, tensors, compute, self.n_ctx).to(device)
+        del tensors
         self.cache = self.new_cache(self.cache_spec)
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())

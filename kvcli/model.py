@@ -3,9 +3,8 @@
 It knows nothing of cache formats: each block hands q, its new K/V and its normed input x
 to `cache.attention`, which stores what its format keeps (K/V, or x for the hidden-state
 cache) and returns the attention output over what the cache holds.
-The residual stream, norms, RoPE and softmax run in f32; a decode step multiplies in the
-weights' dtype (a half-precision GEMV reads half the bytes), a prefill batch on CPU upcasts
-them to f32 (CPU half-precision GEMM is slow; see `linear`; figures in benchmarks/README.md).
+The residual stream, norms, RoPE and softmax run in f32; matrices are resident forms
+(kvcli/weights.py: packed int4/int8 codes or dense tensors) whose `matmul` takes and returns f32.
 """
 
 from __future__ import annotations
@@ -16,18 +15,7 @@ from torch import nn
 
 from kvcli.cache.base import Cache
 from kvcli.config import ModelConfig
-
-
-# Rows above which a half-precision weight is upcast for the matmul: a CPU multiplies one row by
-# f16 weights fast (GEMV), but a prefill batch faster as f32 GEMM, upcast included.
-UPCAST_ROWS = 32
-
-
-def linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x (..., in) -> (..., out) f32; x is f32, w (out, in) in the compute dtype."""
-    if w.dtype == x.dtype or (x.numel() // x.shape[-1] > UPCAST_ROWS and not w.is_cuda):
-        return F.linear(x, w.float() if w.dtype != x.dtype else w)
-    return F.linear(x.to(w.dtype), w).float()
+from kvcli.weights import Dense, cat
 
 
 def rope_table(c: ModelConfig, n_ctx: int, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
@@ -51,29 +39,44 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * rot[:, None, :]).reshape(B, T, H, D)
 
 
+def _form(w, dtype: torch.dtype):
+    """A resident form as given, or a plain tensor as Dense at the compute dtype."""
+    return w if hasattr(w, "matmul") else Dense(w.to(dtype))
+
+
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig, w: dict[str, torch.Tensor], i: int, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, w: dict, i: int, dtype: torch.dtype):
         super().__init__()
         p = f"blk.{i}."
         self.c, self.layer = c, i
         # Buffers, not parameters: no autograd, and .to(device) moves them.
         self.register_buffer("attn_norm", w[p + "attn_norm.weight"].float(), persistent=False)
         self.register_buffer("ffn_norm", w[p + "ffn_norm.weight"].float(), persistent=False)
-        # Fused projections: one matmul for q,k,v and one for gate,up (fewer ops per token).
-        wqkv = torch.cat([w[p + "attn_q.weight"], w[p + "attn_k.weight"], w[p + "attn_v.weight"]])
-        self.register_buffer("wqkv", wqkv.to(dtype), persistent=False)
-        self.register_buffer("wo", w[p + "attn_output.weight"].to(dtype), persistent=False)
-        w_gate_up = torch.cat([w[p + "ffn_gate.weight"], w[p + "ffn_up.weight"]])
-        self.register_buffer("w_gate_up", w_gate_up.to(dtype), persistent=False)
-        self.register_buffer("w_down", w[p + "ffn_down.weight"].to(dtype), persistent=False)
+        # Fused projections: one product for q,k,v and one for gate,up (fewer ops per token);
+        # forms live on their device already (kvcli.llama loads them there).
+        self.wqkv = cat([_form(w[p + n], dtype) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
+        self.wo = _form(w[p + "attn_output.weight"], dtype)
+        self.w_gate_up = cat([_form(w[p + n], dtype) for n in ("ffn_gate.weight", "ffn_up.weight")])
+        self.w_down = _form(w[p + "ffn_down.weight"], dtype)
         self.dtype = dtype
         self.q_dim = c.n_heads * c.head_dim
+        self._wkv = None
+
+    @property
+    def wkv(self):
+        """The k,v rows of wqkv as a form (a view; a packed form's scales copied on first use)."""
+        if self._wkv is None:
+            self._wkv = self.wqkv.narrow(self.q_dim, 2 * self.c.kv_dim)
+        return self._wkv
+
+    def forms(self) -> dict:
+        return {"wqkv": self.wqkv, "wo": self.wo, "w_gate_up": self.w_gate_up, "w_down": self.w_down}
 
     def project_kv(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K = RoPE(x Wk), V = x Wv for normed inputs x (B, n, n_embd) f32 at rot's n positions -> each
         (B, n, Hkv, D) f32, multiplied as forward multiplies: the hidden-state cache rebuilds K/V so."""
         c = self.c
-        kv = linear(x, self.wqkv[self.q_dim :])  # (B, n, 2 * kv_dim)
+        kv = self.wkv.matmul(x)  # (B, n, 2 * kv_dim)
         B, n = kv.shape[:2]
         k = apply_rope(kv[..., : c.kv_dim].reshape(B, n, c.n_kv_heads, c.head_dim), rot)
         return k, kv[..., c.kv_dim :].reshape(B, n, c.n_kv_heads, c.head_dim)
@@ -82,45 +85,54 @@ class Block(nn.Module):
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
         x = F.rms_norm(h, (c.n_embd,), self.attn_norm, c.rms_eps)
-        qkv = linear(x, self.wqkv)  # (B, T, (H + 2*Hkv) * D)
+        qkv = self.wqkv.matmul(x)  # (B, T, (H + 2*Hkv) * D)
         qk = apply_rope(qkv[..., : self.q_dim + c.kv_dim].reshape(B, T, c.n_heads + c.n_kv_heads, c.head_dim), rot)
         q, k = qk[:, :, : c.n_heads], qk[:, :, c.n_heads :]  # (B, T, H, D), (B, T, Hkv, D)
         v = qkv[..., self.q_dim + c.kv_dim :].reshape(B, T, c.n_kv_heads, c.head_dim)
         o = cache.attention(self.layer, q, k, v, x, pos)  # (B, T, H * D) f32
-        h = h + linear(o, self.wo)
+        h = h + self.wo.matmul(o)
         x = F.rms_norm(h, (c.n_embd,), self.ffn_norm, c.rms_eps)
-        gate, up = linear(x, self.w_gate_up).chunk(2, dim=-1)
-        return h + linear(F.silu(gate) * up, self.w_down)
+        gate, up = self.w_gate_up.matmul(x).chunk(2, dim=-1)
+        return h + self.w_down.matmul(F.silu(gate) * up)
 
 
 class Transformer(nn.Module):
-    def __init__(self, c: ModelConfig, weights: dict[str, torch.Tensor], dtype: torch.dtype, n_ctx: int):
+    def __init__(self, c: ModelConfig, weights: dict, dtype: torch.dtype, n_ctx: int):
+        """weights: GGUF name -> resident form (kvcli.weights) for matrices, or a plain tensor (a
+        matrix becomes Dense at `dtype`); norms and rope_freqs are plain tensors, kept f32."""
         super().__init__()
         self.c, self.dtype = c, dtype
-        self.register_buffer("tok_embd", weights["token_embd.weight"].to(dtype), persistent=False)
+        self.tok_embd = _form(weights["token_embd.weight"], dtype)
         # Tied embeddings: without output.weight the head reuses token_embd (as llama.cpp does).
         out = weights.get("output.weight")
-        self.register_buffer("untied_output", None if out is None else out.to(dtype), persistent=False)
+        self.output = self.tok_embd if out is None else _form(out, dtype)
+        self.untied = out is not None
         self.register_buffer("output_norm", weights["output_norm.weight"].float(), persistent=False)
         self.blocks = nn.ModuleList(Block(c, weights, i, dtype) for i in range(c.n_layers))
         self.register_buffer("rot", rope_table(c, n_ctx, weights.get("rope_freqs.weight")), persistent=False)
 
-    @property
-    def output(self) -> torch.Tensor:
-        return self.tok_embd if self.untied_output is None else self.untied_output
+    def forms(self) -> dict:
+        """Every resident matrix by a name (the tied head once): what `weight_bytes` must count."""
+        out = {"tok_embd": self.tok_embd} | ({"output": self.output} if self.untied else {})
+        return out | {f"blk.{i}.{k}": f for i, b in enumerate(self.blocks) for k, f in b.forms().items()}
+
+    def weight_bytes(self) -> int:
+        """Resident bytes of the weights: every form plus the f32 norms."""
+        norms = sum(b.nbytes for b in self.buffers() if b is not self.rot)
+        return sum(f.nbytes for f in self.forms().values()) + norms
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, cache: Cache, pos: int, last_only: bool = False) -> torch.Tensor:
         """tokens (B, T) at positions pos..pos+T-1 -> logits (B, T or 1, vocab) f32."""
         T = tokens.shape[1]
-        h = self.tok_embd[tokens].float()  # (B, T, n_embd)
+        h = self.tok_embd.rows(tokens)  # (B, T, n_embd) f32
         rot = self.rot[pos : pos + T]
         for block in self.blocks:
             h = block(h, cache, pos, rot)
         if last_only:
             h = h[:, -1:]
         h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps)
-        return linear(h, self.output)
+        return self.output.matmul(h)
 
 
 def dtype_from_name(name: str) -> torch.dtype:

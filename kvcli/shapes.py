@@ -49,10 +49,26 @@ def random_weights(c: ModelConfig, dtype: torch.dtype, device: str, seed: int = 
             yield name, torch.randn(shape, generator=g, device=device, dtype=dtype) * 0.02
 
 
-def weight_bytes(c: ModelConfig, dtype: str, untied_output: bool = False) -> int:
-    """The decoder's weights in memory at the compute dtype (norms stay f32), as Llama holds them."""
-    from kvcli.gguf_file import expected_shapes
+def weight_bytes(c: ModelConfig, dtype: str, untied_output: bool = False, weights: str = "native",
+                 types: dict[str, str] | None = None, device: str = "cpu") -> int:
+    """The decoder's weights in memory as Llama holds them: each matrix in its resident form
+    (kvcli.weights.resident_form of its GGUF type; types: name -> ggml type name, None for a
+    synthetic model's dense matrices), norms f32."""
+    return sum(resident_weight_bytes(c, dtype, untied_output, weights, types, device).values())
 
-    size = 4 if dtype == "f32" else 2
-    n = sum(math.prod(s) * (4 if len(s) == 1 else size) for s in expected_shapes(c).values())
-    return n + (c.vocab_size * c.n_embd * size if untied_output else 0)
+
+def resident_weight_bytes(c: ModelConfig, dtype: str, untied_output: bool = False, weights: str = "native",
+                          types: dict[str, str] | None = None, device: str = "cpu") -> dict[str, int]:
+    """GGUF tensor name -> its resident bytes (see weight_bytes)."""
+    from kvcli.gguf_file import expected_shapes
+    from kvcli.weights import resident_bytes, resident_form
+
+    shapes = expected_shapes(c) | ({"output.weight": (c.vocab_size, c.n_embd)} if untied_output else {})
+    out = {}
+    for name, shape in shapes.items():
+        if len(shape) == 1:
+            out[name] = 4 * shape[0]
+        else:
+            ggml = types.get(name, "F32") if types else "F32"
+            out[name] = resident_bytes(resident_form(ggml, weights, dtype, device), *shape)
+    return out

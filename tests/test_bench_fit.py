@@ -152,25 +152,28 @@ def test_info_and_fit_cli(default_model, tmp_path):
     sweep.write_text(json.dumps({"rows": [{"type_k": "q8_0", "type_v": "q8_0", "mean_kld": 0.0005},
                                           {"type_k": "q4_0", "type_v": "q4_0", "mean_kld": 0.14}]}))
     r = CliRunner().invoke(app, ["fit", "-m", str(default_model), "--mem", "1GiB", "--ctx", "32768",
-                                 "--sweep", str(sweep)])
+                                 "--sweep", str(sweep), "--weights", "f16"])
     assert r.exit_code == 0, r.output
     assert "recommended for 32,768 tokens: kv q8_0/q8_0" in r.stdout
     assert f"based on: the lowest measured KLD among the choices that fit: 0.000500 in {sweep.name}" in r.stdout
-    r = CliRunner().invoke(app, ["fit", "-m", str(default_model), "--mem", "600MiB", "--ctx", "32768"])
+    r = CliRunner().invoke(app, ["fit", "-m", str(default_model), "--mem", "600MiB", "--ctx", "32768",
+                                 "--weights", "f16"])
     assert r.exit_code == 1 and "no cache choice reaches a 32,768-token context in 600MiB" in r.stderr
 
 
 def test_fit_cli_recommends_the_reference_and_says_why(default_model):
-    """The issue's case: 2 GiB and the trained 8,192 tokens once recommended f32/f32."""
+    """The issue's case: 2 GiB and the trained 8,192 tokens once recommended f32/f32 (budgets
+    sized for f16 weights, hence --weights f16)."""
     from cli_checks import runner
 
     from kvcli.cli import app
 
-    r = runner.invoke(app, ["fit", "-m", str(default_model), "--mem", "2GiB"])
+    r = runner.invoke(app, ["fit", "-m", str(default_model), "--mem", "2GiB", "--weights", "f16"])
     assert r.exit_code == 0, r.output
     assert "recommended for 8,192 tokens: kv f16/f16 (-ctk f16 -ctv f16 -c 8192)" in r.stdout
     assert "based on: f16/f16 is the reference precision" in r.stdout
-    r = runner.invoke(app, ["fit", "-m", str(default_model), "--mem", "1GiB", "--ctx", "80000"])
+    r = runner.invoke(app, ["fit", "-m", str(default_model), "--mem", "1GiB", "--ctx", "80000",
+                            "--weights", "f16"])
     assert r.exit_code == 0, r.output
     # 4.5 bits: the rotated q4_hadamard before q4_0 and iq4_nl, which lose more at the same bits
     assert "recommended for 80,000 tokens: kv q4_hadamard/q4_hadamard" in r.stdout

@@ -22,7 +22,8 @@ def hf_tok(default_model):
 
 @pytest.fixture(scope="module", params=["f32", "f16"])
 def llm(request, default_model):
-    return Llama(default_model, ctx_size=256, dtype="f32", cache_type_k=request.param, cache_type_v=request.param)
+    return Llama(default_model, ctx_size=256, dtype="f32", cache_type_k=request.param, cache_type_v=request.param,
+                 weights="f32")  # the exact reference path
 
 
 def test_logits_match_transformers(llm, hf_default_model, hf_tok):

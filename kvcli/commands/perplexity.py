@@ -11,8 +11,8 @@ from typing import Optional
 
 import typer
 
-from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt, cache_spec,
-                              ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, read_prompt, resolve_model,
+from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, WeightsOpt, ModelOpt, ThreadsOpt, cache_spec,
+                              ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, parse_weights, read_prompt, resolve_model,
                               user_errors)
 from kvcli.errors import KvcliError
 from kvcli.kld import KLD_TABLE_HEADER, KldStats, kld_report, kld_terms
@@ -58,7 +58,9 @@ def perplexity_command(
     cache_type_v: Optional[str] = CtvOpt,
     cache_mode: str = CacheModeOpt,
     cache_type_h: Optional[str] = CthOpt,
-    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype of the weights: f32, f16 or bf16."),
+    dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, f16 or bf16 (activations, and matrices "
+                                                     "kept dense)."),
+    weights: str = WeightsOpt,
     threads: Optional[int] = ThreadsOpt,
     kl_divergence_base: Optional[Path] = typer.Option(
         None, "--kl-divergence-base", help="Base log-probs file: written by a plain run, read with --kl-divergence."),
@@ -74,6 +76,7 @@ def perplexity_command(
     """Perplexity of a text with llama-perplexity's method; KL divergence against a base; cache sweep."""
     with user_errors():
         dtype = _check_numbers(ctx_size, batch_size, chunks, dtype)  # before reading or tokenizing anything
+        weights = parse_weights(weights)
         from kvcli.sweep import parse_sweep, plot_sweep, sweep, sweep_table  # imports torch: not for --help
 
         base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)
@@ -114,7 +117,7 @@ def perplexity_command(
         n_seq = balanced_n_seq(batch_size, ctx_size, n_chunk)
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
                     batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
-                    cache_mode=base_spec.mode, cache_type_h=base_spec.type_h)
+                    cache_mode=base_spec.mode, cache_type_h=base_spec.type_h, weights=weights)
         base_spec = llm.cache_spec  # auto resolved to kv or hidden
         if ctx_size > llm.config.context_length:
             log(f"warning: -c {ctx_size} exceeds the model's training context ({llm.config.context_length})")
@@ -154,7 +157,7 @@ def perplexity_command(
                                             seconds=seconds, rows=rows))
             if plot is not None:
                 plot_sweep(rows, plot, f"{path.name}, {Path(file).name}, n_ctx {ctx_size}, {n_chunk} chunks, "
-                           f"dtype {dtype}")
+                           f"dtype {dtype}, {weights} weights")
                 log(f"perplexity: plot written to {plot}")
         else:
             log(f"perplexity: {n_chunk} chunks took {seconds:.2f} s")

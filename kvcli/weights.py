@@ -1,0 +1,328 @@
+"""Resident weight forms: a GGUF matrix kept as its file stores it, multiplied where it lies.
+
+Each form holds one matrix W (N, K) (torch order: N outputs, K inputs) and offers
+  matmul(x)     x (..., K) f32 -> (..., N) f32, x @ W.T;
+  rows(ids)     rows of W by index, f32 (the token embedding: only the rows asked for);
+  dequantize()  W (N, K) f32, the reference the tests and the prefill path use;
+  nbytes        the bytes it keeps resident.
+Forms (chosen per tensor by `choose`, from its GGUF type):
+  Int4  Q4_0 / Q4_1: 4-bit codes with a per-32 scale and zero point, in torch's packed layout
+        for its int4 weight-only GEMM (kvcli/cache/int4_gemm.py): W = (q - 8) d + z.
+  Int8  Q8_0: int8 codes (N, K) and the f16 block scales (N, K / 32): W = d q.
+  Dense everything else, and every matrix under --weights f16 / f32: a plain tensor.
+A decode step (few rows) multiplies the codes; a prefill batch dequantizes to f32 and runs an
+f32 GEMM (CPU int4/int8 kernels are GEMVs at heart; figures in benchmarks/README.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from kvcli.cache.int4_gemm import GROUP, tile_width, unpack_pairs
+
+# Rows above which a product dequantizes to f32 and runs a GEMM: a CPU multiplies one row by
+# f16 or packed codes fast (GEMV), a prefill batch faster as an f32 GEMM, conversion included.
+UPCAST_ROWS = 32
+WEIGHTS = ("native", "f16", "f32")  # --weights choices
+_DENSE = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
+# Rows converted at a time while packing: bounds the int32 code matrix the packing op takes.
+PACK_ROWS = 4096
+
+
+def _rows(x: torch.Tensor) -> int:
+    return x.numel() // x.shape[-1]
+
+
+class Dense:
+    """W (N, K) as a plain tensor (f16, bf16 or f32)."""
+
+    kind = "dense"
+
+    def __init__(self, w: torch.Tensor):
+        self.w = w
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.w.shape)
+
+    @property
+    def nbytes(self) -> int:
+        return self.w.numel() * self.w.element_size()
+
+    @property
+    def name(self) -> str:
+        return {torch.float16: "f16", torch.bfloat16: "bf16", torch.float32: "f32"}[self.w.dtype]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        w = self.w
+        if w.dtype == x.dtype or (_rows(x) > UPCAST_ROWS and not w.is_cuda):
+            return F.linear(x, w.float() if w.dtype != x.dtype else w)
+        return F.linear(x.to(w.dtype), w).float()
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.w[ids].float()
+
+    def dequantize(self) -> torch.Tensor:
+        return self.w.float()
+
+    def narrow(self, start: int, n: int) -> Dense:
+        return Dense(self.w[start : start + n])
+
+    def to(self, device) -> Dense:
+        return Dense(self.w.to(device))
+
+
+class Int4:
+    """W (N, K) = (q - 8) * scale + zero per 32 columns, q 4-bit codes.
+
+    packed (N_pad, K / 2) uint8 in torch's tiled layout (T = tile_width() rows per tile, N padded
+    to whole tiles); sz (K / 32, N_pad, 2) bf16 holds scale and zero point, as the op wants them."""
+
+    kind = "int4"
+    name = "int4"
+
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int):
+        self.packed, self.sz, self.n = packed, sz, n
+
+    @classmethod
+    def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4:
+        """codes (N, K) uint8 0..15, scale and zero (N, K / 32) f32 -> the packed form (one op call
+        per PACK_ROWS rows: the int32 codes it takes are 4x the bytes)."""
+        T = tile_width()
+        N, K = codes.shape
+        pad = -N % T
+        if pad:
+            codes = torch.cat([codes, codes.new_full((pad, K), 8)])
+            scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
+        packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[i : i + PACK_ROWS].int(), 1)
+                            for i in range(0, N + pad, PACK_ROWS)])  # PACK_ROWS is whole tiles
+        sz = torch.stack([scale.T, zero.T], -1).bfloat16().contiguous()  # (K / 32, N_pad, 2)
+        return cls(packed, sz, N)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, 2 * self.packed.shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() + 2 * self.sz.numel()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _rows(x) > UPCAST_ROWS:
+            return F.linear(x, self.dequantize())
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed, GROUP, self.sz)
+        return y[:, : self.n].float().view(*x.shape[:-1], self.n)
+
+    def codes(self) -> torch.Tensor:
+        """(N_pad, K) uint8 codes, out of torch's tiles: byte (tile, k, j) holds rows T tile + j and + T / 2."""
+        N, half = self.packed.shape
+        T = tile_width()
+        tiles = unpack_pairs(self.packed.view(N // T, 2 * half, T // 2))  # (N / T, K, T)
+        return tiles.transpose(1, 2).reshape(N, 2 * half)
+
+    def dequantize(self) -> torch.Tensor:
+        c = self.codes()[: self.n].unflatten(1, (-1, GROUP)).float()  # (N, K / 32, 32)
+        sz = self.sz[:, : self.n].float().transpose(0, 1)  # (N, K / 32, 2)
+        return ((c - 8) * sz[..., :1] + sz[..., 1:]).flatten(1)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.dequantize()[ids]  # not used for embeddings (GGUF files keep those Q8_0 or wider)
+
+    def narrow(self, start: int, n: int):
+        T = tile_width()
+        if start % T or (n % T and start + n != self.n):
+            return Rows(self, start, n)
+        end = start + n + (-n % T)
+        return Int4(self.packed[start:end], self.sz[:, start:end].contiguous(), n)
+
+
+class Int8:
+    """W (N, K) = d * q per 32 columns, q int8 codes and d Q8_0's f16 block scales.
+
+    qb (K / 32, N, 32) int8: each block's codes contiguous, as torch's int8 weight-only GEMV takes
+    them; d (N, K / 32) f16 (exact rows and dequantize); db (K / 32, N) bf16 (the GEMV's scales).
+    A decode product runs that GEMV once per block with the block's scales (its scales are per
+    row only) and sums, in bf16 with f32 sums; the alternatives measured: benchmarks/README.md."""
+
+    kind = "int8"
+    name = "int8"
+
+    def __init__(self, qb: torch.Tensor, d: torch.Tensor):
+        self.qb, self.d = qb, d
+        self.db = d.T.bfloat16().contiguous()
+
+    @classmethod
+    def from_codes(cls, q: torch.Tensor, d: torch.Tensor) -> Int8:
+        """q (N, K) int8, d (N, K / 32) f16."""
+        N, K = q.shape
+        return cls(q.view(N, K // GROUP, GROUP).transpose(0, 1).contiguous(), d.half())
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.qb.shape[1], self.qb.shape[0] * GROUP
+
+    @property
+    def nbytes(self) -> int:
+        return self.qb.numel() + 2 * self.d.numel() + 2 * self.db.numel()
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        if _rows(x) > UPCAST_ROWS:
+            return F.linear(x, self.dequantize())
+        nb, N, _ = self.qb.shape
+        xb = x.reshape(-1, nb, GROUP).bfloat16().transpose(0, 1).contiguous()  # (K / 32, M, 32)
+        out = torch.ops.aten._weight_int8pack_mm(xb[0], self.qb[0], self.db[0]).float()
+        for b in range(1, nb):
+            out += torch.ops.aten._weight_int8pack_mm(xb[b], self.qb[b], self.db[b])
+        return out.view(*x.shape[:-1], N)
+
+    def rows(self, ids) -> torch.Tensor:
+        """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32: only those rows are dequantized."""
+        q = self.qb[:, ids].movedim(0, -2)  # (..., K / 32, 32)
+        return (q.float() * self.d[ids].float()[..., None]).flatten(-2)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(slice(None))
+
+    def narrow(self, start: int, n: int) -> Int8:
+        return Int8(self.qb[:, start : start + n], self.d[start : start + n])
+
+
+class Rows:
+    """Rows start..start+n-1 of a form that cannot be sliced in place (a packed tile split)."""
+
+    def __init__(self, form, start: int, n: int):
+        self.form, self.start, self.n = form, start, n
+        self.kind, self.name, self.nbytes = form.kind, form.name, 0  # a view: its bytes are the form's
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.n, self.form.shape[1]
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.form.matmul(x)[..., self.start : self.start + self.n]
+
+    def rows(self, ids) -> torch.Tensor:
+        return self.dequantize()[ids]
+
+    def dequantize(self) -> torch.Tensor:
+        return self.form.dequantize()[self.start : self.start + self.n]
+
+    def narrow(self, start: int, n: int) -> Rows:
+        return Rows(self.form, self.start + start, n)
+
+
+class Concat:
+    """Forms stacked along N (fused q/k/v or gate/up whose parts cannot be joined in place)."""
+
+    def __init__(self, parts: list):
+        self.parts = parts
+        self.kind = self.name = "+".join(sorted({p.name for p in parts}))
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return sum(p.shape[0] for p in self.parts), self.parts[0].shape[1]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.nbytes for p in self.parts)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.matmul(x) for p in self.parts], -1)
+
+    def rows(self, ids) -> torch.Tensor:
+        return self.dequantize()[ids]
+
+    def dequantize(self) -> torch.Tensor:
+        return torch.cat([p.dequantize() for p in self.parts])
+
+    def narrow(self, start: int, n: int):
+        ends = [0]
+        for p in self.parts:
+            ends.append(ends[-1] + p.shape[0])
+        if start in ends and start + n in ends:  # whole parts
+            i, j = ends.index(start), ends.index(start + n)
+            return self.parts[i] if j == i + 1 else Concat(self.parts[i:j])
+        return Rows(self, start, n)
+
+
+def cat(forms: list):
+    """Forms stacked along N as one form: in place where all are Dense of one dtype, Int8, or Int4
+    of whole tiles (one product for fused q/k/v and gate/up); a Concat of separate products otherwise."""
+    kinds = {type(f) for f in forms}
+    if kinds == {Dense} and len({f.w.dtype for f in forms}) == 1:
+        return Dense(torch.cat([f.w for f in forms]))
+    if kinds == {Int8}:
+        return Int8(torch.cat([f.qb for f in forms], 1), torch.cat([f.d for f in forms]))
+    if kinds == {Int4} and all(f.n == f.packed.shape[0] for f in forms[:-1]):
+        return Int4(torch.cat([f.packed for f in forms]), torch.cat([f.sz for f in forms], 1),
+                    sum(f.n for f in forms))
+    return Concat(list(forms))
+
+
+# ---- from the GGUF file ----
+
+def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
+    """The form a matrix of `ggml_type` is kept in: 'int4', 'int8', or a dense dtype name.
+
+    weights: native (packed where torch's CPU kernel fits, else dense at the compute dtype), f16, f32."""
+    if weights != "native":
+        return weights
+    if device == "cpu" and tile_width() is not None:
+        if ggml_type in ("Q4_0", "Q4_1"):
+            return "int4"
+        if ggml_type == "Q8_0":
+            return "int8"
+    return dtype
+
+
+def resident_bytes(form: str, n: int, k: int) -> int:
+    """Bytes an (n, k) matrix takes in `form`, as the form classes hold it."""
+    if form == "int4":
+        n_pad = n + (-n % (tile_width() or 1))
+        return n_pad * k // 2 + n_pad * (k // GROUP) * 4
+    if form == "int8":
+        return n * k + n * (k // GROUP) * 4
+    return n * k * _DENSE[form].itemsize
+
+
+# ggml block layouts as numpy records (gguf-py's quants read them so too).
+_RECORDS = {"Q4_0": [("d", "<f2"), ("qs", "u1", 16)], "Q4_1": [("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)],
+            "Q8_0": [("d", "<f2"), ("qs", "i1", 32)]}
+
+
+def _blocks(tensor) -> np.ndarray:
+    """A quantized tensor's bytes as (N, K / 32) records over the memory map (no copy)."""
+    n = int(np.prod([int(s) for s in tensor.shape[1:]]))
+    return np.asarray(tensor.data).reshape(-1).view(np.dtype(_RECORDS[tensor.tensor_type.name])).reshape(n, -1)
+
+
+def _check_finite(name: str, *scales: torch.Tensor) -> None:
+    from kvcli.errors import KvcliError
+
+    for s in scales:
+        if not torch.isfinite(s).all():  # a NaN scale would poison every logit, silently
+            raise KvcliError(f"tensor {name} holds NaN/Inf block scales; the model file is corrupt")
+
+
+def load(tensor, form: str):
+    """A gguf.ReaderTensor (over the memory map) -> its resident form, holding one tensor's copy at most.
+
+    ggml blocks of 32: Q4_0 = f16 d, 16 bytes of codes (element j in the low nibble of byte j,
+    j + 16 in the high one), w = d (q - 8); Q4_1 = f16 d, f16 m, 16 bytes, w = d q + m =
+    d (q - 8) + (m + 8 d); Q8_0 = f16 d, 32 int8, w = d q."""
+    from kvcli.gguf_file import dequantize
+
+    if form in ("int4", "int8"):
+        b = _blocks(tensor)
+        d = torch.from_numpy(b["d"].astype(np.float32))  # (N, K / 32)
+        m = torch.from_numpy(b["m"].astype(np.float32)) if "m" in b.dtype.names else None  # Q4_1's min
+        _check_finite(tensor.name, d, *([] if m is None else [m]))
+    if form == "int4":
+        qs = b["qs"]  # (N, K / 32, 16): element j in the low nibble of byte j, j + 16 in the high one
+        codes = torch.from_numpy(np.concatenate([qs & 15, qs >> 4], -1).reshape(len(qs), -1))  # (N, K) 0..15
+        return Int4.from_codes(codes, d, torch.zeros_like(d) if m is None else m + 8 * d)
+    if form == "int8":
+        return Int8.from_codes(torch.from_numpy(np.ascontiguousarray(b["qs"]).reshape(len(b), -1)), d)
+    return Dense(torch.from_numpy(dequantize(tensor)).to(_DENSE[form]))
