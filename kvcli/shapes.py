@@ -5,7 +5,6 @@ A synthetic model is never used for fidelity: every output that comes from one s
 
 from __future__ import annotations
 
-import math
 
 import torch
 
