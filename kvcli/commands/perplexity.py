@@ -17,7 +17,7 @@ from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, Mo
 from kvcli.errors import KvcliError
 from kvcli.kld import KLD_TABLE_HEADER, KldStats, kld_report, kld_terms
 from kvcli.logprob_base import Base, BaseWriter, check_base, read_base
-from kvcli.perplexity import (PplStats, balanced_n_seq, chunk_log_probs, first_scored, make_chunks, n_scored,
+from kvcli.perplexity import (PplStats, balanced_n_seq, chunk_logits, first_scored, make_chunks, n_scored, score_chunk,
                               token_nll)
 
 
@@ -164,6 +164,18 @@ def perplexity_command(
                 raise typer.Exit(130)
 
 
+def _nll_and_save(log_probs, targets, writer: "BaseWriter | None"):
+    """Scored positions' NLL (r,); their log-probs go to the base file when one is written."""
+    if writer is not None:
+        writer.add(log_probs, targets)
+    return token_nll(log_probs, targets)
+
+
+def _kld_rows(log_probs, targets, base_rows) -> dict:
+    log_base, nll_base = base_rows
+    return kld_terms(log_probs, log_base, targets, nll_base)
+
+
 def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseWriter | None",
              progress, task, log) -> dict:
     """A plain run (optionally saving the base) or a --kl-divergence run; prints llama.cpp's lines."""
@@ -172,24 +184,22 @@ def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseW
     t_pass = time.perf_counter()
     done = interrupted = False
     try:
-        for i, lp in chunk_log_probs(llm, inputs, n_seq):
+        for i, logits in chunk_logits(llm, inputs, n_seq):
             if i == 0:  # llama.cpp's first-pass timing line
                 t = time.perf_counter() - t_pass
                 log(f"perplexity: {t:.2f} seconds per pass - ETA {t * n_chunk / n_seq / 60:.2f} minutes")
             if base is None:
-                stats.add(token_nll(lp, targets[i]))
-                if writer is not None:
-                    writer.add(lp, targets[i])
+                stats.add(score_chunk(logits, lambda pos, lp: _nll_and_save(lp, targets[i, pos], writer)))
                 # on a terminal the line shows whole at the end, above the bar (which shows the running PPL)
                 print(f"[{i + 1}]{stats.ppl:.4f},", end="", flush=not sys.stdout.isatty())
                 progress.update(task, advance=1, description=f"[{i + 1}] PPL {stats.ppl:.4f}")
             else:
                 if i == 0:
                     print(KLD_TABLE_HEADER, flush=True)
-                log_base, nll_base = base.chunk(i)
-                kld.add(kld_terms(lp, log_base, targets[i], nll_base))
+                kld.add(score_chunk(logits, lambda pos, lp: _kld_rows(lp, targets[i, pos], base.rows(i, pos))))
                 print(kld.chunk_line(i + 1), flush=True)
                 progress.update(task, advance=1, description=f"[{i + 1}] KLD {kld.kld / kld.count:.6f}")
+            del logits
         done = True
     except KeyboardInterrupt:  # Ctrl-C: report the estimate over the chunks scored so far
         interrupted = True
