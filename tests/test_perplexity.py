@@ -108,15 +108,17 @@ def test_ppl_matches_direct_computation(tiny, app, tmp_path):
 
 
 def test_batched_chunks_equal_one_by_one(tiny, app, tmp_path):
+    """Chunks run together as sequences give each the same bits as one at a time; -ub caps them."""
     _, path, text, _ = tiny
     res = []
-    for b in (N_CTX, 3 * N_CTX):  # n_seq 1, then 3 chunks per forward
-        out = tmp_path / f"b{b}.json"
-        r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-b", b, "--chunks", 5, "--json", out)
+    for args, n_seq in ((("-b", N_CTX), 1), (("-b", 3 * N_CTX), 3), (("-b", 3 * N_CTX, "-ub", 2 * N_CTX), 2)):
+        out = tmp_path / "r.json"
+        r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, *args, "--chunks", 5, "--json", out)
         assert r.exit_code == 0, r.output
+        assert f"n_seq={n_seq}" in r.stderr
         res.append(json.loads(out.read_text()))
     assert res[0]["count"] == res[1]["count"] == 5 * 7
-    assert res[1]["ppl"] == pytest.approx(res[0]["ppl"], rel=1e-6)
+    assert res[0]["ppl"] == res[1]["ppl"] == res[2]["ppl"] and res[0]["ppl_err"] == res[1]["ppl_err"] == res[2]["ppl_err"]
 
 
 def test_too_short_text_is_a_clear_error(tiny, app, tmp_path):
@@ -136,6 +138,7 @@ def test_too_short_text_is_a_clear_error(tiny, app, tmp_path):
     (["-c", "0"], ["-c/--ctx-size", "not 0"]),
     (["-b", "0"], ["-b/--batch-size", "not 0"]),
     (["-b", "-512"], ["-b/--batch-size", "not -512"]),
+    (["-ub", "0"], ["-ub/--ubatch-size", "not 0"]),
 ])
 def test_bad_numbers_refused_before_reading(app, tmp_path, args, words):
     """One line and exit 1 before the text is read or a model loaded: the file and the model named
@@ -362,7 +365,8 @@ def test_scoring_a_few_positions_at_a_time_changes_no_figure(tiny, app, tmp_path
         sweep = invoke(app, *common, "--sweep", "bf16,f32,hidden:q8_0", "--json", d / "sweep.json")
         for r in (plain, kld, sweep):
             assert r.exit_code == 0, r.output
-        rows_json = [{k: v for k, v in row.items() if k != "seconds"} for row in json.loads((d / "sweep.json").read_text())["rows"]]
+        rows_json = [{k: v for k, v in row.items() if k != "seconds"}
+                     for row in json.loads((d / "sweep.json").read_text())["rows"]]
         drop = lambda p: {k: v for k, v in json.loads(p.read_text()).items() if k != "seconds"}  # noqa: E731
         return (plain.stdout, kld.stdout, (d / "base.kld").read_bytes(), drop(d / "plain.json"), drop(d / "kld.json"),
                 rows_json)

@@ -28,12 +28,14 @@ def _write_json(path: Path, data: dict) -> None:
         raise KvcliError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _check_numbers(ctx_size: int, batch_size: int, chunks: int, dtype: str) -> str:
+def _check_numbers(ctx_size: int, batch_size: int, ubatch_size: int, chunks: int, dtype: str) -> str:
     """The numeric flags and --dtype, checked before the text is read; returns the dtype's name."""
     if ctx_size <= 0:  # no "0 = the model's context" here: a chunk's length is the measurement
         raise KvcliError(f"-c/--ctx-size takes the tokens per chunk, 1 or more, not {ctx_size}")
     if batch_size <= 0:
         raise KvcliError(f"-b/--batch-size takes 1 or more, not {batch_size}")
+    if ubatch_size <= 0:
+        raise KvcliError(f"-ub/--ubatch-size takes 1 or more, not {ubatch_size}")
     if chunks == 0 or chunks < -1:
         raise KvcliError(f"--chunks takes 1 or more, or -1 (all), not {chunks}")
     return parse_dtype(dtype)
@@ -52,7 +54,10 @@ def perplexity_command(
     file: Path = typer.Option(..., "-f", "--file", help="Text to score, e.g. wikitext-2-raw/wiki.test.raw."),
     ctx_size: int = ctx_option(512, "Tokens per chunk; the second half of each is scored."),
     batch_size: int = typer.Option(2048, "-b", "--batch-size",
-                                   help="Tokens per forward pass: b // c chunks run together as sequences."),
+                                   help="Tokens per batch: min(b, ub) // c chunks run together as sequences."),
+    ubatch_size: int = typer.Option(512, "-ub", "--ubatch-size",
+                                    help="Most tokens per forward pass (llama.cpp's physical batch): bounds the "
+                                         "logits held at once; a chunk longer than it still runs whole."),
     chunks: int = typer.Option(-1, "--chunks", help="Chunks to score (-1: all)."),
     cache_type_k: Optional[str] = CtkOpt,
     cache_type_v: Optional[str] = CtvOpt,
@@ -73,7 +78,8 @@ def perplexity_command(
 ):
     """Perplexity of a text with llama-perplexity's method; KL divergence against a base; cache sweep."""
     with user_errors():
-        dtype = _check_numbers(ctx_size, batch_size, chunks, dtype)  # before reading or tokenizing anything
+        # before reading or tokenizing anything
+        dtype = _check_numbers(ctx_size, batch_size, ubatch_size, chunks, dtype)
         from kvcli.sweep import parse_sweep, plot_sweep, sweep, sweep_table  # imports torch: not for --help
 
         base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)
@@ -111,7 +117,8 @@ def perplexity_command(
         else:
             inputs, targets = make_chunks(tokens, ctx_size, chunks, bos_id)
         n_chunk = inputs.shape[0]
-        n_seq = balanced_n_seq(batch_size, ctx_size, n_chunk)
+        # sequences batched per forward give each the same bits as one at a time; -ub bounds the logits held
+        n_seq = balanced_n_seq(min(batch_size, ubatch_size), ctx_size, n_chunk)
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
                     batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
                     cache_mode=base_spec.mode, cache_type_h=base_spec.type_h)
@@ -119,7 +126,7 @@ def perplexity_command(
         if ctx_size > llm.config.context_length:
             log(f"warning: -c {ctx_size} exceeds the model's training context ({llm.config.context_length})")
         log(f"perplexity: calculating perplexity over {n_chunk} chunks, n_ctx={ctx_size}, "
-            f"batch_size={batch_size}, n_seq={n_seq}")
+            f"batch_size={batch_size}, ubatch_size={ubatch_size}, n_seq={n_seq}")
 
         header = dict(model=path.name, n_vocab=llm.config.vocab_size, n_ctx=ctx_size, n_chunk=n_chunk,
                       first=first_scored(ctx_size), n_scored=n_scored(ctx_size), bos_id=bos_id, dtype=dtype,
