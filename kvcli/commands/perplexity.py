@@ -41,6 +41,17 @@ def _check_numbers(ctx_size: int, batch_size: int, ubatch_size: int, chunks: int
     return parse_dtype(dtype)
 
 
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap pages (the tokenizer's work on a whole text, the load's temporaries)
+    in the process; hand them back so they do not add to the scoring's peak. A no-op elsewhere."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
 def _progress(console):
     from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
@@ -111,6 +122,7 @@ def perplexity_command(
         tok = Tokenizer.from_metadata(g.metadata)
         tokens = tok.encode(text, add_bos=None, parse_special=False)
         log(f"perplexity: tokenization took {1e3 * (time.perf_counter() - t0):g} ms")
+        _return_freed_memory()
         bos_id = tok.bos_id if tok.add_bos else None
         if base is not None:
             inputs, targets = check_base(base, tokens, ctx_size, g.config.vocab_size, chunks, bos_id)
@@ -122,6 +134,7 @@ def perplexity_command(
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
                     batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
                     cache_mode=base_spec.mode, cache_type_h=base_spec.type_h)
+        _return_freed_memory()
         base_spec = llm.cache_spec  # auto resolved to kv or hidden
         if ctx_size > llm.config.context_length:
             log(f"warning: -c {ctx_size} exceeds the model's training context ({llm.config.context_length})")
