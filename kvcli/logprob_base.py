@@ -77,7 +77,7 @@ def from_records(rec: "np.ndarray") -> tuple["torch.Tensor", "torch.Tensor"]:
     import numpy as np
     import torch
 
-    # np.array copies: torch wants writable arrays, and a memmap's slice is read-only
+    # np.array copies the fields (strided in the records) into arrays of their own
     log_probs = dequantize_log_probs(torch.from_numpy(np.array(rec["scale"])),
                                      torch.from_numpy(np.array(rec["min_log_prob"])),
                                      torch.from_numpy(rec["q"].astype(np.int32)))
@@ -118,12 +118,18 @@ class BaseWriter:
 class Base:
     header: dict
     tokens: np.ndarray  # (n_chunk * n_ctx,) int32
-    records: np.ndarray  # memmap of n_chunk * n_scored records
+    path: Path
+    start: int  # byte offset of the first of n_chunk * n_scored records
 
     def rows(self, i: int, pos: slice) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Chunk i, scored positions pos: dequantized base log-probs (r, V) f32 and exact target NLL (r,)."""
-        s = self.header["n_scored"]
-        return from_records(self.records[i * s + pos.start : i * s + pos.stop])
+        """Chunk i, scored positions pos: dequantized base log-probs (r, V) f32 and exact target NLL (r,).
+        Read, not memory-mapped: a mapping's pages would stay in the process, up to the whole file."""
+        import numpy as np
+
+        records = record_dtype(self.header["n_vocab"])
+        first = i * self.header["n_scored"] + pos.start
+        return from_records(np.fromfile(self.path, dtype=records, count=pos.stop - pos.start,
+                                        offset=self.start + first * records.itemsize))
 
 
 def read_base(path: Path) -> Base:
@@ -149,9 +155,7 @@ def read_base(path: Path) -> Base:
     if path.stat().st_size != expect:
         raise KvcliError(f"{path} is truncated or damaged: {path.stat().st_size} bytes, expected {expect}")
     tokens = np.fromfile(path, dtype="<i4", count=n_tok, offset=offset)
-    recs = np.memmap(path, dtype=records, mode="r", offset=offset + 4 * n_tok,
-                     shape=(header["n_chunk"] * header["n_scored"],))
-    return Base(header, tokens, recs)
+    return Base(header, tokens, path, offset + 4 * n_tok)
 
 
 def check_base(base: Base, tokens: list[int], n_ctx: int, n_vocab: int, n_chunks: int, bos_id: int | None):
