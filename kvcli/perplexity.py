@@ -111,7 +111,7 @@ def balanced_n_seq(batch_size: int, n_ctx: int, n_chunk: int) -> int:
     return -(-n_chunk // n_batches)
 
 
-SCORE_ROWS = 64  # scored positions whose full-vocabulary log-probs are live at once: (64, V) f32
+SCORE_ROWS = 16  # scored positions whose full-vocabulary log-probs (and KLD terms) are live at once
 
 
 def chunk_logits(llm, inputs: "torch.Tensor", n_seq: int, cache=None) -> Iterable[tuple[int, "torch.Tensor"]]:
