@@ -21,7 +21,7 @@ import torch
 
 from kvcli.llama import Llama
 from kvcli.models import default_model_path
-from kvcli.perplexity import PplStats, balanced_n_seq, chunk_log_probs, make_chunks, scored_log_probs, token_nll
+from kvcli.perplexity import PplStats, balanced_n_seq, chunk_logits, make_chunks, score_chunk, scored_log_probs, token_nll
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 
@@ -30,8 +30,9 @@ def run_kvcli(path, inputs, targets, n_seq, args) -> tuple[PplStats, float]:
     llm = Llama(path, ctx_size=inputs.shape[1], dtype=args.dtype, cache_type_k=args.ctk, cache_type_v=args.ctv,
                 batch_size=min(args.batch_size, inputs.shape[1]), n_seq=n_seq, threads=args.threads)
     stats, t0 = PplStats(), time.perf_counter()
-    for i, lp in chunk_log_probs(llm, inputs, n_seq):
-        stats.add(token_nll(lp, targets[i]))
+    for i, logits in chunk_logits(llm, inputs, n_seq):
+        stats.add(score_chunk(logits, lambda pos, lp: token_nll(lp, targets[i, pos])))
+        del logits
         print(f"[{i + 1}]{stats.ppl:.4f},", end="", flush=True)
     print()
     return stats, time.perf_counter() - t0

@@ -225,7 +225,7 @@ class Llama:
                for i in range(0, tokens.shape[1], self.batch_size)]
         if cache is self.cache:
             self.n_past = 0
-        logits = torch.cat(out, dim=1)[:n]
+        logits = (out[0] if len(out) == 1 else torch.cat(out, dim=1))[:n]  # one batch: no copy
         return logits[0] if single else logits
 
     def _check_append(self, ids: list[int]) -> None:

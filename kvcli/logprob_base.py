@@ -55,21 +55,44 @@ def dequantize_log_probs(scale: "torch.Tensor", min_log_prob: "torch.Tensor", q:
     return scale[:, None] * q.float() + min_log_prob[:, None]
 
 
-def _record_dtype(n_vocab: int) -> "np.dtype":
+def record_dtype(n_vocab: int) -> "np.dtype":
     import numpy as np
 
     return np.dtype([("nll", "<f4"), ("scale", "<f4"), ("min_log_prob", "<f4"), ("q", "<u2", (n_vocab,))])
 
 
+def to_records(log_probs: "torch.Tensor", nll: "torch.Tensor", records: "np.dtype") -> "np.ndarray":
+    """(r, V) f32 log-softmax and the targets' NLL (r,) -> r records of the file's 16-bit form."""
+    import numpy as np
+
+    scale, low, q = quantize_log_probs(log_probs)
+    rec = np.empty(len(scale), dtype=records)
+    rec["nll"] = nll.numpy()
+    rec["scale"], rec["min_log_prob"], rec["q"] = scale.numpy(), low.numpy(), q.numpy()
+    return rec
+
+
+def from_records(rec: "np.ndarray") -> tuple["torch.Tensor", "torch.Tensor"]:
+    """r records -> dequantized log-probs (r, V) f32 and the exact target NLL (r,) f32."""
+    import numpy as np
+    import torch
+
+    # np.array copies the fields (strided in the records) into arrays of their own
+    log_probs = dequantize_log_probs(torch.from_numpy(np.array(rec["scale"])),
+                                     torch.from_numpy(np.array(rec["min_log_prob"])),
+                                     torch.from_numpy(rec["q"].astype(np.int32)))
+    return log_probs, torch.from_numpy(np.array(rec["nll"]))
+
+
 class BaseWriter:
-    """Streams a base run's quantized log-probs to FILE, chunk by chunk (format: module docstring)."""
+    """Streams a base run's quantized log-probs to FILE, a block of positions at a time (format: module docstring)."""
 
     def __init__(self, path: Path, header: dict, tokens: list[int]):
         import numpy as np
 
         self.path = Path(path)
         self.part = self.path.with_name(f".{self.path.name}.part")  # renamed into place only when complete
-        self.records = _record_dtype(header["n_vocab"])
+        self.records = record_dtype(header["n_vocab"])
         try:
             self.f = open(self.part, "wb")
         except OSError as e:
@@ -79,13 +102,8 @@ class BaseWriter:
         self.f.write(np.asarray(tokens, dtype="<i4").tobytes())
 
     def add(self, log_probs: "torch.Tensor", targets: "torch.Tensor") -> None:
-        import numpy as np
-
-        scale, low, q = quantize_log_probs(log_probs)
-        rec = np.empty(len(scale), dtype=self.records)
-        rec["nll"] = token_nll(log_probs, targets).numpy()
-        rec["scale"], rec["min_log_prob"], rec["q"] = scale.numpy(), low.numpy(), q.numpy()
-        self.f.write(rec.tobytes())
+        """The next scored positions' log-softmax (r, V) f32 and targets (r,), in file order."""
+        self.f.write(to_records(log_probs, token_nll(log_probs, targets), self.records).tobytes())
 
     def close(self, complete: bool) -> None:
         """complete: rename the file into place; otherwise remove it (never a half-written base)."""
@@ -100,19 +118,18 @@ class BaseWriter:
 class Base:
     header: dict
     tokens: np.ndarray  # (n_chunk * n_ctx,) int32
-    records: np.ndarray  # memmap of n_chunk * n_scored records
+    path: Path
+    start: int  # byte offset of the first of n_chunk * n_scored records
 
-    def chunk(self, i: int) -> tuple["torch.Tensor", "torch.Tensor"]:
-        """Chunk i: dequantized base log-probs (n_scored, V) f32 and the exact target NLL (n_scored,)."""
+    def rows(self, i: int, pos: slice) -> tuple["torch.Tensor", "torch.Tensor"]:
+        """Chunk i, scored positions pos: dequantized base log-probs (r, V) f32 and exact target NLL (r,).
+        Read, not memory-mapped: a mapping's pages would stay in the process, up to the whole file."""
         import numpy as np
-        import torch
 
-        s = self.header["n_scored"]
-        r = self.records[i * s : (i + 1) * s]
-        log_probs = dequantize_log_probs(torch.from_numpy(np.ascontiguousarray(r["scale"])),
-                                         torch.from_numpy(np.ascontiguousarray(r["min_log_prob"])),
-                                         torch.from_numpy(r["q"].astype(np.int32)))
-        return log_probs, torch.from_numpy(np.ascontiguousarray(r["nll"]))
+        records = record_dtype(self.header["n_vocab"])
+        first = i * self.header["n_scored"] + pos.start
+        return from_records(np.fromfile(self.path, dtype=records, count=pos.stop - pos.start,
+                                        offset=self.start + first * records.itemsize))
 
 
 def read_base(path: Path) -> Base:
@@ -133,14 +150,12 @@ def read_base(path: Path) -> Base:
         raise KvcliError(f"{path}: base file version {header.get('version')}, this kvcli reads {KLD_VERSION}")
     offset = 12 + n
     n_tok = header["n_chunk"] * header["n_ctx"]
-    records = _record_dtype(header["n_vocab"])
+    records = record_dtype(header["n_vocab"])
     expect = offset + 4 * n_tok + records.itemsize * header["n_chunk"] * header["n_scored"]
     if path.stat().st_size != expect:
         raise KvcliError(f"{path} is truncated or damaged: {path.stat().st_size} bytes, expected {expect}")
     tokens = np.fromfile(path, dtype="<i4", count=n_tok, offset=offset)
-    recs = np.memmap(path, dtype=records, mode="r", offset=offset + 4 * n_tok,
-                     shape=(header["n_chunk"] * header["n_scored"],))
-    return Base(header, tokens, recs)
+    return Base(header, tokens, path, offset + 4 * n_tok)
 
 
 def check_base(base: Base, tokens: list[int], n_ctx: int, n_vocab: int, n_chunks: int, bos_id: int | None):

@@ -7,6 +7,9 @@ positions first = n_ctx // 2 .. n_ctx - 2 of each chunk (each predicts the next,
 n_ctx - 1 - n_ctx // 2 tokens per chunk (255 at -c 512). PPL = exp(mean NLL); the error is
 llama.cpp's ppl * sqrt((<nll^2> - <nll>^2) / (count - 1)).
 
+Memory: one forward's logits are live at a time, and of them one block of SCORE_ROWS positions'
+log-softmax (and KLD terms); each block is reduced to per-position figures before the next.
+
 The KLD statistics are kvcli/kld.py, the base file kvcli/logprob_base.py, the cache sweep
 kvcli/sweep.py and the command kvcli/commands/perplexity.py.
 """
@@ -15,7 +18,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Iterable
+from typing import TYPE_CHECKING, Callable, Iterable
 
 from kvcli.errors import KvcliError
 
@@ -108,12 +111,37 @@ def balanced_n_seq(batch_size: int, n_ctx: int, n_chunk: int) -> int:
     return -(-n_chunk // n_batches)
 
 
-def chunk_log_probs(llm, inputs: "torch.Tensor", n_seq: int) -> Iterable[tuple[int, "torch.Tensor"]]:
-    """Yield (chunk index, scored log-probs (n_scored, V) f32), running n_seq chunks per forward."""
-    n_ctx = inputs.shape[1]
+SCORE_ROWS = 16  # scored positions whose full-vocabulary log-probs (and KLD terms) are live at once
+
+
+def chunk_logits(llm, inputs: "torch.Tensor", n_seq: int, cache=None) -> Iterable[tuple[int, "torch.Tensor"]]:
+    """Yield (chunk index, logits (n_ctx, V)), running n_seq chunks per forward (fresh cache each).
+    The forward's logits are dropped once its chunks are consumed."""
     for i in range(0, inputs.shape[0], n_seq):
-        logits = llm.logits(inputs[i : i + n_seq])  # (B, n_ctx, V), fresh cache
-        lp = scored_log_probs(logits, n_ctx)
+        logits = llm.logits(inputs[i : i + n_seq], cache=cache)  # (B, n_ctx, V)
+        for b in range(logits.shape[0]):
+            yield i + b, logits[b]
         del logits
-        for b in range(lp.shape[0]):
-            yield i + b, lp[b]
+
+
+def score_chunk(logits: "torch.Tensor", score: Callable, rows: int | None = None):
+    """Apply score(positions, log_probs) to one chunk's scored positions, `rows` at a time, and
+    concatenate what it returns (a tensor (r,) or a dict of them) into (n_scored,) per key.
+
+    logits (n_ctx, V); positions is a slice of 0..n_scored-1 (index targets with it) and log_probs
+    its f32 log-softmax (r, V): only one such block of the vocabulary-wide terms is live at a time.
+    Row-wise operations give each position the same bits whatever `rows` is."""
+    import torch
+
+    rows = SCORE_ROWS if rows is None else rows
+    n_ctx = logits.shape[0]
+    first, n = first_scored(n_ctx), n_scored(n_ctx)
+    parts = []
+    for r in range(0, n, rows):
+        pos = slice(r, min(r + rows, n))
+        lp = torch.log_softmax(logits[first + pos.start : first + pos.stop].float(), dim=-1)
+        parts.append(score(pos, lp))
+        del lp
+    if isinstance(parts[0], dict):
+        return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
+    return torch.cat(parts)

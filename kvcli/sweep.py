@@ -12,9 +12,9 @@ from typing import Callable
 from kvcli.cache import STORAGE_TYPES, CacheSpec, cache_bytes
 from kvcli.errors import KvcliError
 from kvcli.kld import KldStats, kld_terms
-from kvcli.logprob_base import dequantize_log_probs, quantize_log_probs
+from kvcli.logprob_base import from_records, record_dtype, to_records
 from kvcli.memory import MIB
-from kvcli.perplexity import PplStats, scored_log_probs, token_nll
+from kvcli.perplexity import PplStats, chunk_logits, n_scored, score_chunk, token_nll
 
 
 def parse_sweep(spec: str) -> list[CacheSpec]:
@@ -52,39 +52,52 @@ def row_label(spec: CacheSpec) -> str:
 
 def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: CacheSpec,
           tick: Callable[[], None] = lambda: None) -> list[dict]:
-    """One row per cache choice against the base choice's run, chunk batch by chunk batch (no base file).
+    """One row per cache choice against the base choice's run, chunk batch by chunk batch (no base file);
+    each chunk scored a block of positions at a time (`score_chunk`).
 
     Every cache comes from `llm.new_cache`, as a run builds its own. The base log-probs go through
     the base file's 16-bit rounding, so each row equals what --kl-divergence against a saved base
     reports; the base choice's own row is the base itself (KLD 0), first where the sweep does not
     list it (as `all` does), so the table always shows what the others are measured against."""
+    import numpy as np
+    import torch
+
     if base_spec not in specs:
         specs = [base_spec, *specs]
     n_ctx = inputs.shape[1]
+    records = record_dtype(llm.config.vocab_size)
     caches = {s: llm.new_cache(s) for s in specs if s != base_spec}  # the base runs in llm's own cache
     base_stats, seconds = PplStats(), dict.fromkeys([base_spec, *specs], 0.0)
     klds = {s: KldStats() for s in specs}
+
+    def base_rows(pos, lp, tgt, rec):  # the base's NLL; its log-probs kept in the base file's 16-bit form
+        nll = token_nll(lp, tgt)
+        rec[pos] = to_records(lp, nll, records)
+        return kld_terms(lp, lp, tgt) if base_spec in klds else dict(nll=nll)  # the base's own row: KLD 0
+
     for i in range(0, inputs.shape[0], n_seq):
         batch, tgt = inputs[i : i + n_seq], targets[i : i + n_seq]
         t0 = time.perf_counter()
-        base_lp = scored_log_probs(llm.logits(batch), n_ctx)  # (B, S, V)
-        base_nll = token_nll(base_lp, tgt)  # (B, S)
-        base_stats.add(base_nll)
+        base_rec, base_nll = [], []  # per chunk: (n_scored,) records, exact NLL (n_scored,) f64
+        for j, logits in chunk_logits(llm, batch, n_seq):
+            base_rec.append(np.empty(n_scored(n_ctx), dtype=records))
+            t = score_chunk(logits, lambda pos, lp: base_rows(pos, lp, tgt[j, pos], base_rec[j]))
+            base_nll.append(t["nll"])
+            if base_spec in klds:
+                klds[base_spec].add(t)
+            del logits
+        base_stats.add(torch.stack(base_nll))  # (B, S), summed as one tensor
         seconds[base_spec] += time.perf_counter() - t0
-        base_q = [dequantize_log_probs(*quantize_log_probs(base_lp[b])) for b in range(len(batch))]
-        if base_spec in klds:
-            for b in range(len(batch)):
-                klds[base_spec].add(kld_terms(base_lp[b], base_lp[b], tgt[b]))
         tick()
         for spec, cache in caches.items():
             t0 = time.perf_counter()
-            lp = scored_log_probs(llm.logits(batch, cache=cache), n_ctx)
-            for b in range(len(batch)):
-                klds[spec].add(kld_terms(lp[b], base_q[b], tgt[b], base_nll[b]))
-            del lp
+            for j, logits in chunk_logits(llm, batch, n_seq, cache=cache):
+                klds[spec].add(score_chunk(logits, lambda pos, lp: kld_terms(
+                    lp, from_records(base_rec[j][pos])[0], tgt[j, pos], base_nll[j][pos])))
+                del logits
             seconds[spec] += time.perf_counter() - t0
             tick()
-        del base_lp, base_q
+        del base_rec, base_nll
     base_ppl = base_stats.ppl
     rows = []
     for spec in specs:

@@ -108,15 +108,17 @@ def test_ppl_matches_direct_computation(tiny, app, tmp_path):
 
 
 def test_batched_chunks_equal_one_by_one(tiny, app, tmp_path):
+    """Chunks run together as sequences give each the same bits as one at a time; -ub caps them."""
     _, path, text, _ = tiny
     res = []
-    for b in (N_CTX, 3 * N_CTX):  # n_seq 1, then 3 chunks per forward
-        out = tmp_path / f"b{b}.json"
-        r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-b", b, "--chunks", 5, "--json", out)
+    for args, n_seq in ((("-b", N_CTX), 1), (("-b", 3 * N_CTX), 3), (("-b", 3 * N_CTX, "-ub", 2 * N_CTX), 2)):
+        out = tmp_path / "r.json"
+        r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, *args, "--chunks", 5, "--json", out)
         assert r.exit_code == 0, r.output
+        assert f"n_seq={n_seq}" in r.stderr
         res.append(json.loads(out.read_text()))
     assert res[0]["count"] == res[1]["count"] == 5 * 7
-    assert res[1]["ppl"] == pytest.approx(res[0]["ppl"], rel=1e-6)
+    assert res[0]["ppl"] == res[1]["ppl"] == res[2]["ppl"] and res[0]["ppl_err"] == res[1]["ppl_err"] == res[2]["ppl_err"]
 
 
 def test_too_short_text_is_a_clear_error(tiny, app, tmp_path):
@@ -136,6 +138,7 @@ def test_too_short_text_is_a_clear_error(tiny, app, tmp_path):
     (["-c", "0"], ["-c/--ctx-size", "not 0"]),
     (["-b", "0"], ["-b/--batch-size", "not 0"]),
     (["-b", "-512"], ["-b/--batch-size", "not -512"]),
+    (["-ub", "0"], ["-ub/--ubatch-size", "not 0"]),
 ])
 def test_bad_numbers_refused_before_reading(app, tmp_path, args, words):
     """One line and exit 1 before the text is read or a model loaded: the file and the model named
@@ -305,15 +308,15 @@ def test_sweep_row_equals_kld_against_saved_base(tiny, app, tmp_path):
 def test_ctrl_c_prints_the_estimate_so_far_and_leaves_no_base(tiny, app, tmp_path, monkeypatch):
     import kvcli.commands.perplexity as ppl_mod
 
-    real = ppl_mod.chunk_log_probs
+    real = ppl_mod.chunk_logits
 
     def interrupted_after_two(*args, **kwargs):
-        for i, lp in real(*args, **kwargs):
+        for i, logits in real(*args, **kwargs):
             if i == 2:
                 raise KeyboardInterrupt
-            yield i, lp
+            yield i, logits
 
-    monkeypatch.setattr(ppl_mod, "chunk_log_probs", interrupted_after_two)
+    monkeypatch.setattr(ppl_mod, "chunk_logits", interrupted_after_two)
     _, path, text, _ = tiny
     base = tmp_path / "base.kld"
     r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-b", N_CTX, "--kl-divergence-base", base)
@@ -331,3 +334,60 @@ def test_hidden_cache_mode_f32_equals_kv_f32(tiny, app, tmp_path):
     assert json.loads(b.read_text())["ppl"] == pytest.approx(json.loads(a.read_text())["ppl"], rel=1e-5)
     r3 = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "--cache-mode", "hidden", "-ctk", "q8_0")
     assert r3.exit_code == 1 and "-cth" in r3.stderr
+
+
+def test_scoring_a_few_positions_at_a_time_changes_no_figure(tiny, app, tmp_path, monkeypatch):
+    """Every printed figure, the base file's bytes and the sweep's rows are the same bits whether a
+    chunk's log-softmax is taken 3 positions at a time or whole, and equal a plain full-logits
+    computation; no log-softmax or dequantized base block is wider than 3 positions."""
+    import kvcli.logprob_base as base_mod
+    import kvcli.perplexity as method
+    from kvcli.llama import Llama
+    from kvcli.perplexity import PplStats, scored_log_probs, token_nll
+
+    _, path, text, _ = tiny
+    widest = {"log_softmax": 0, "from_records": 0}
+
+    def spy(name, real):
+        def wrapped(x, *args, **kwargs):
+            widest[name] = max(widest[name], len(x))
+            return real(x, *args, **kwargs)
+        return wrapped
+
+    def run_all(rows, tag):
+        monkeypatch.setattr(method, "SCORE_ROWS", rows)
+        d = tmp_path / tag
+        d.mkdir()
+        common = ("-m", path, "-f", text, "-c", N_CTX, "-b", 2 * N_CTX)  # 2 chunks per forward
+        plain = invoke(app, *common, "--kl-divergence-base", d / "base.kld", "--json", d / "plain.json")
+        kld = invoke(app, *common, "--kl-divergence-base", d / "base.kld", "--kl-divergence", "-ctk", "bf16",
+                     "-ctv", "bf16", "--json", d / "kld.json")
+        sweep = invoke(app, *common, "--sweep", "bf16,f32,hidden:q8_0", "--json", d / "sweep.json")
+        for r in (plain, kld, sweep):
+            assert r.exit_code == 0, r.output
+        rows_json = [{k: v for k, v in row.items() if k != "seconds"}
+                     for row in json.loads((d / "sweep.json").read_text())["rows"]]
+        drop = lambda p: {k: v for k, v in json.loads(p.read_text()).items() if k != "seconds"}  # noqa: E731
+        return (plain.stdout, kld.stdout, (d / "base.kld").read_bytes(), drop(d / "plain.json"), drop(d / "kld.json"),
+                rows_json)
+
+    whole = run_all(10**6, "whole")  # one block per chunk: the unbatched scoring
+    monkeypatch.setattr(torch, "log_softmax", spy("log_softmax", torch.log_softmax))
+    monkeypatch.setattr(base_mod, "from_records", spy("from_records", base_mod.from_records))
+    blocks = run_all(3, "blocks")
+    assert 0 < widest["log_softmax"] <= 3 and 0 < widest["from_records"] <= 3
+    assert blocks[0] == whole[0] and blocks[1] == whole[1]  # stdout: PPL, running values, KLD report
+    assert blocks[2] == whole[2]  # the base file, byte for byte
+    assert blocks[3:] == whole[3:]  # JSON figures, timings aside
+
+    # the straightforward way: every chunk's full logits, log-softmax of the scored half at once
+    monkeypatch.undo()
+    llm = Llama(path, ctx_size=N_CTX, dtype="f32", batch_size=N_CTX, n_seq=2)
+    tokens = llm.tokenize(text.read_text())
+    inputs, targets = make_chunks(tokens, N_CTX, bos_id=llm.tokenizer.bos_id if llm.tokenizer.add_bos else None)
+    stats = PplStats()
+    for i in range(0, len(inputs), 2):
+        lp = scored_log_probs(llm.logits(inputs[i : i + 2]), N_CTX)  # (B, n_scored, V)
+        for b in range(len(lp)):
+            stats.add(token_nll(lp[b], targets[i + b]))
+    assert blocks[3]["ppl"] == stats.ppl and blocks[3]["count"] == stats.count

@@ -17,7 +17,7 @@ from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, Mo
 from kvcli.errors import KvcliError
 from kvcli.kld import KLD_TABLE_HEADER, KldStats, kld_report, kld_terms
 from kvcli.logprob_base import Base, BaseWriter, check_base, read_base
-from kvcli.perplexity import (PplStats, balanced_n_seq, chunk_log_probs, first_scored, make_chunks, n_scored,
+from kvcli.perplexity import (PplStats, balanced_n_seq, chunk_logits, first_scored, make_chunks, n_scored, score_chunk,
                               token_nll)
 
 
@@ -28,15 +28,28 @@ def _write_json(path: Path, data: dict) -> None:
         raise KvcliError(f"cannot write {path}: {e.strerror}") from None
 
 
-def _check_numbers(ctx_size: int, batch_size: int, chunks: int, dtype: str) -> str:
+def _check_numbers(ctx_size: int, batch_size: int, ubatch_size: int, chunks: int, dtype: str) -> str:
     """The numeric flags and --dtype, checked before the text is read; returns the dtype's name."""
     if ctx_size <= 0:  # no "0 = the model's context" here: a chunk's length is the measurement
         raise KvcliError(f"-c/--ctx-size takes the tokens per chunk, 1 or more, not {ctx_size}")
     if batch_size <= 0:
         raise KvcliError(f"-b/--batch-size takes 1 or more, not {batch_size}")
+    if ubatch_size <= 0:
+        raise KvcliError(f"-ub/--ubatch-size takes 1 or more, not {ubatch_size}")
     if chunks == 0 or chunks < -1:
         raise KvcliError(f"--chunks takes 1 or more, or -1 (all), not {chunks}")
     return parse_dtype(dtype)
+
+
+def _return_freed_memory() -> None:
+    """glibc keeps freed heap pages (the tokenizer's work on a whole text, the load's temporaries)
+    in the process; hand them back so they do not add to the scoring's peak. A no-op elsewhere."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
 
 
 def _progress(console):
@@ -52,7 +65,10 @@ def perplexity_command(
     file: Path = typer.Option(..., "-f", "--file", help="Text to score, e.g. wikitext-2-raw/wiki.test.raw."),
     ctx_size: int = ctx_option(512, "Tokens per chunk; the second half of each is scored."),
     batch_size: int = typer.Option(2048, "-b", "--batch-size",
-                                   help="Tokens per forward pass: b // c chunks run together as sequences."),
+                                   help="Tokens per batch: min(b, ub) // c chunks run together as sequences."),
+    ubatch_size: int = typer.Option(512, "-ub", "--ubatch-size",
+                                    help="Most tokens per forward pass (llama.cpp's physical batch): bounds the "
+                                         "logits held at once; a chunk longer than it still runs whole."),
     chunks: int = typer.Option(-1, "--chunks", help="Chunks to score (-1: all)."),
     cache_type_k: Optional[str] = CtkOpt,
     cache_type_v: Optional[str] = CtvOpt,
@@ -75,7 +91,8 @@ def perplexity_command(
 ):
     """Perplexity of a text with llama-perplexity's method; KL divergence against a base; cache sweep."""
     with user_errors():
-        dtype = _check_numbers(ctx_size, batch_size, chunks, dtype)  # before reading or tokenizing anything
+        # before reading or tokenizing anything
+        dtype = _check_numbers(ctx_size, batch_size, ubatch_size, chunks, dtype)
         weights = parse_weights(weights)
         from kvcli.sweep import parse_sweep, plot_sweep, sweep, sweep_table  # imports torch: not for --help
 
@@ -108,21 +125,24 @@ def perplexity_command(
         tok = Tokenizer.from_metadata(g.metadata)
         tokens = tok.encode(text, add_bos=None, parse_special=False)
         log(f"perplexity: tokenization took {1e3 * (time.perf_counter() - t0):g} ms")
+        _return_freed_memory()
         bos_id = tok.bos_id if tok.add_bos else None
         if base is not None:
             inputs, targets = check_base(base, tokens, ctx_size, g.config.vocab_size, chunks, bos_id)
         else:
             inputs, targets = make_chunks(tokens, ctx_size, chunks, bos_id)
         n_chunk = inputs.shape[0]
-        n_seq = balanced_n_seq(batch_size, ctx_size, n_chunk)
+        # sequences batched per forward give each the same bits as one at a time; -ub bounds the logits held
+        n_seq = balanced_n_seq(min(batch_size, ubatch_size), ctx_size, n_chunk)
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
                     batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
                     cache_mode=base_spec.mode, cache_type_h=base_spec.type_h, weights=weights)
+        _return_freed_memory()
         base_spec = llm.cache_spec  # auto resolved to kv or hidden
         if ctx_size > llm.config.context_length:
             log(f"warning: -c {ctx_size} exceeds the model's training context ({llm.config.context_length})")
         log(f"perplexity: calculating perplexity over {n_chunk} chunks, n_ctx={ctx_size}, "
-            f"batch_size={batch_size}, n_seq={n_seq}")
+            f"batch_size={batch_size}, ubatch_size={ubatch_size}, n_seq={n_seq}")
 
         header = dict(model=path.name, n_vocab=llm.config.vocab_size, n_ctx=ctx_size, n_chunk=n_chunk,
                       first=first_scored(ctx_size), n_scored=n_scored(ctx_size), bos_id=bos_id, dtype=dtype,
@@ -167,6 +187,18 @@ def perplexity_command(
                 raise typer.Exit(130)
 
 
+def _nll_and_save(log_probs, targets, writer: "BaseWriter | None"):
+    """Scored positions' NLL (r,); their log-probs go to the base file when one is written."""
+    if writer is not None:
+        writer.add(log_probs, targets)
+    return token_nll(log_probs, targets)
+
+
+def _kld_rows(log_probs, targets, base_rows) -> dict:
+    log_base, nll_base = base_rows
+    return kld_terms(log_probs, log_base, targets, nll_base)
+
+
 def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseWriter | None",
              progress, task, log) -> dict:
     """A plain run (optionally saving the base) or a --kl-divergence run; prints llama.cpp's lines."""
@@ -175,24 +207,22 @@ def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseW
     t_pass = time.perf_counter()
     done = interrupted = False
     try:
-        for i, lp in chunk_log_probs(llm, inputs, n_seq):
+        for i, logits in chunk_logits(llm, inputs, n_seq):
             if i == 0:  # llama.cpp's first-pass timing line
                 t = time.perf_counter() - t_pass
                 log(f"perplexity: {t:.2f} seconds per pass - ETA {t * n_chunk / n_seq / 60:.2f} minutes")
             if base is None:
-                stats.add(token_nll(lp, targets[i]))
-                if writer is not None:
-                    writer.add(lp, targets[i])
+                stats.add(score_chunk(logits, lambda pos, lp: _nll_and_save(lp, targets[i, pos], writer)))
                 # on a terminal the line shows whole at the end, above the bar (which shows the running PPL)
                 print(f"[{i + 1}]{stats.ppl:.4f},", end="", flush=not sys.stdout.isatty())
                 progress.update(task, advance=1, description=f"[{i + 1}] PPL {stats.ppl:.4f}")
             else:
                 if i == 0:
                     print(KLD_TABLE_HEADER, flush=True)
-                log_base, nll_base = base.chunk(i)
-                kld.add(kld_terms(lp, log_base, targets[i], nll_base))
+                kld.add(score_chunk(logits, lambda pos, lp: _kld_rows(lp, targets[i, pos], base.rows(i, pos))))
                 print(kld.chunk_line(i + 1), flush=True)
                 progress.update(task, advance=1, description=f"[{i + 1}] KLD {kld.kld / kld.count:.6f}")
+            del logits
         done = True
     except KeyboardInterrupt:  # Ctrl-C: report the estimate over the chunks scored so far
         interrupted = True
