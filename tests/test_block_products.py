@@ -134,7 +134,8 @@ def test_real_model_decode_matches_the_exact_path(default_model, monkeypatch, ki
     logits = []
     for max_rows in (block_products.MAX_ROWS, 0):
         monkeypatch.setattr(block_products, "MAX_ROWS", max_rows)
-        llm = Llama(default_model, ctx_size=512, cache_type_k=kind, cache_type_v=kind, dtype="f32")
+        llm = Llama(default_model, ctx_size=512, cache_type_k=kind, cache_type_v=kind, dtype="f32",
+                    weights="f32")  # exact weights: the comparison is of the two cache paths
         llm.eval(prompt)
         logits.append(torch.stack([llm.eval([tok]) for tok in (200, 300, 400, 500)]).log_softmax(-1))
     direct, exact = logits
