@@ -42,7 +42,8 @@ def kvcli_bench(model: str, cache: str, threads: int, args, extra: list[str]) ->
     cmd = ["kvcli", "bench", "-m", model, "-t", str(threads), "-ctk", cache, "-ctv", cache, "-p", str(args.p),
            "-n", str(args.n), "-d", args.depths, "-r", str(args.r), "-o", "csv", *extra]
     out = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, check=True).stdout
-    return {(r["test"], int(r["depth"])): float(r["tokens_per_s"]) for r in csv.DictReader(io.StringIO(out))}
+    # kvcli labels a depth run "tg32 @ d1024"; llama-bench keeps the depth in its own column
+    return {(r["test"].split(" @")[0], int(r["depth"])): float(r["tokens_per_s"]) for r in csv.DictReader(io.StringIO(out))}
 
 
 def peak_rss_and_load(cmd: list[str]) -> tuple[float, float | None]:
