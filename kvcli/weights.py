@@ -35,6 +35,10 @@ def _rows(x: torch.Tensor) -> int:
     return x.numel() // x.shape[-1]
 
 
+# Output rows dequantized at a time when a batch multiplies an int8 matrix (4096 x 576 f32: 9 MB).
+SLAB_ROWS = 4096
+
+
 class Dense:
     """W (N, K) as a plain tensor (f16, bf16 or f32)."""
 
@@ -168,9 +172,9 @@ class Int8:
         return self.qb.numel() + 2 * self.d.numel() + 2 * self.db.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if _rows(x) > UPCAST_ROWS:
-            return F.linear(x, self.dequantize())
         nb, N, _ = self.qb.shape
+        if _rows(x) > UPCAST_ROWS:  # f32 GEMM over slabs of rows: never an f32 copy of a whole head (113 MB)
+            return torch.cat([F.linear(x, self.rows(slice(s, s + SLAB_ROWS))) for s in range(0, N, SLAB_ROWS)], -1)
         xb = x.reshape(-1, nb, GROUP).bfloat16().transpose(0, 1).contiguous()  # (K / 32, M, 32)
         out = torch.ops.aten._weight_int8pack_mm(xb[0], self.qb[0], self.db[0]).float()
         for b in range(1, nb):
