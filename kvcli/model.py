@@ -39,6 +39,13 @@ def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
     return torch.view_as_real(xc * rot[:, None, :]).reshape(B, T, H, D)
 
 
+def rope_(x: torch.Tensor, rot: torch.Tensor) -> None:
+    """apply_rope in place on x (B, T, H, D) f32, a view whose last dimension is contiguous (decode's
+    few ops per layer: one complex multiply into the fused q/k/v product)."""
+    xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
+    xc.mul_(rot[:, None])
+
+
 def _form(w, dtype: torch.dtype):
     """A resident form as given, or a plain tensor as Dense at the compute dtype."""
     return w if hasattr(w, "matmul") else Dense(w.to(dtype))
@@ -85,10 +92,9 @@ class Block(nn.Module):
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
         x = F.rms_norm(h, (c.n_embd,), self.attn_norm, c.rms_eps)
-        qkv = self.wqkv.matmul(x)  # (B, T, (H + 2*Hkv) * D)
-        qk = apply_rope(qkv[..., : self.q_dim + c.kv_dim].reshape(B, T, c.n_heads + c.n_kv_heads, c.head_dim), rot)
-        q, k = qk[:, :, : c.n_heads], qk[:, :, c.n_heads :]  # (B, T, H, D), (B, T, Hkv, D)
-        v = qkv[..., self.q_dim + c.kv_dim :].reshape(B, T, c.n_kv_heads, c.head_dim)
+        qkv = self.wqkv.matmul(x).view(B, T, c.n_heads + 2 * c.n_kv_heads, c.head_dim)  # (B, T, H + 2*Hkv, D)
+        rope_(qkv[:, :, : c.n_heads + c.n_kv_heads], rot)  # q and k rotated where they lie: no copies
+        q, k, v = qkv.split((c.n_heads, c.n_kv_heads, c.n_kv_heads), 2)  # (B, T, H, D), (B, T, Hkv, D) x 2
         o = cache.attention(self.layer, q, k, v, x, pos)  # (B, T, H * D) f32
         h = h + self.wo.matmul(o)
         x = F.rms_norm(h, (c.n_embd,), self.ffn_norm, c.rms_eps)
