@@ -13,6 +13,7 @@ ggml order (ne0 = columns first); torch wants (rows, cols), so shapes are revers
 from __future__ import annotations
 
 import math
+import mmap
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -50,6 +51,13 @@ class GGUFModel:
     metadata: dict[str, Any]
     config: ModelConfig
     tensors: dict[str, Any]  # name -> gguf.ReaderTensor (memory-mapped, not yet dequantized)
+    mapping: mmap.mmap | None = None  # the file's read-only memory map, which the tensors view
+
+    def drop_pages(self) -> None:
+        """Let the OS take back the map's pages read so far (they count in the process's RSS until then):
+        once the weights are resident in their own form, the file's bytes are only read again on demand."""
+        if self.mapping is not None and hasattr(mmap, "MADV_DONTNEED"):
+            self.mapping.madvise(mmap.MADV_DONTNEED)
 
     def weight_types(self) -> dict[str, int]:
         """Count of tensors per ggml type name, e.g. {'Q4_1': 210, 'F32': 61}."""
@@ -221,13 +229,15 @@ def open_gguf(path: str | os.PathLike) -> GGUFModel:
             magic = f.read(4)
         if magic != b"GGUF":
             raise KvcliError(f"not a GGUF file (bad magic {magic!r}): {path}")
-        data = np.memmap(path, dtype=np.uint8, mode="r")
-    except OSError as e:
-        raise KvcliError(f"cannot read {path}: {e.strerror or e}") from None
+        with open(path, "rb") as f:  # the mapping outlives the descriptor
+            mapping = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        data = np.frombuffer(mapping, dtype=np.uint8)
+    except (OSError, ValueError) as e:  # ValueError: an empty file cannot be mapped
+        raise KvcliError(f"cannot read {path}: {getattr(e, 'strerror', None) or e}") from None
     metadata, tensor_list = _scan(data, path)
     tensors = {t.name: t for t in tensor_list}
     config = _config(metadata, tensors, path)
-    model = GGUFModel(path, metadata, config, tensors)
+    model = GGUFModel(path, metadata, config, tensors, mapping)
     _check_tensors(model)
     return model
 

@@ -25,7 +25,7 @@ from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
 from kvcli.weights import WEIGHTS, Dense, load, resident_form
-from kvcli.memory import check_fits
+from kvcli.memory import check_fits, return_freed_memory
 from kvcli.model import Transformer, dtype_from_name
 from kvcli.models import pull_default
 from kvcli.shapes import random_weights, shape_config, weight_bytes
@@ -123,6 +123,12 @@ class Llama:
             check_fits(weight_bytes(c, dtype, untied, weights, types, device), c, self.cache_spec, self.n_ctx, n_seq,
                        what=f"a {self.n_ctx}-token context")
 
+        self._tokenizer = None
+        if not self.synthetic:
+            try:  # built before the weights: its transient memory (freed again) then adds to a lower peak
+                self.tokenizer
+            except KvcliError:
+                pass  # raised again where the tokenizer is used (bench and perplexity of ids need none)
         t0 = time.perf_counter()
         compute = dtype_from_name(dtype)
         if self.synthetic:
@@ -140,14 +146,15 @@ class Llama:
                 else:
                     form = load(t, resident_form(t.tensor_type.name, weights, dtype, device))
                     tensors[n] = form.to(device) if device != "cpu" else form
+                    self.gguf.drop_pages()  # the file's pages read for it: peak = resident + one tensor
         self.device = device
         self.model = Transformer(c, tensors, compute, self.n_ctx).to(device)
         del tensors
+        return_freed_memory()  # the load's freed temporaries go back
         self.cache = self.new_cache(self.cache_spec)
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
-        self._tokenizer = None
 
     @property
     def tokenizer(self):
@@ -159,6 +166,7 @@ class Llama:
                 raise KvcliError("a synthetic --shape model has random weights and no tokenizer")
 
             self._tokenizer = Tokenizer.from_metadata(self.gguf.metadata)
+            return_freed_memory()  # building it from the vocabulary's strings frees as much as it keeps
         return self._tokenizer
 
     def tokenize(self, text: str, add_bos: bool | None = None, special: bool = False) -> list[int]:

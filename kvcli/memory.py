@@ -2,12 +2,38 @@
 
 from __future__ import annotations
 
+import math
+import mmap
+
 from kvcli.errors import KvcliError
 
 MIB = 1024**2  # the one definition of the binary units kvcli prints
 GIB = 1024**3
 # Activations, logits and attention scratch beside weights and cache.
 WORKING_BYTES = 256 * MIB
+
+
+def return_freed_memory() -> None:
+    """glibc keeps freed heap pages (a load's temporaries, the tokenizer's work on a whole text) in
+    the process; hand them back so they do not add to the peak. A no-op elsewhere."""
+    import ctypes
+
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):  # not glibc
+        pass
+
+
+def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu"):
+    """Zeros whose pages the OS commits on first write (an anonymous memory map): a cache sized for a
+    long context is resident only as its positions fill, as llama.cpp's would be without its clear.
+    Small tensors and other devices: torch.zeros."""
+    import torch
+
+    nbytes = math.prod(shape) * dtype.itemsize
+    if str(device) != "cpu" or nbytes < MIB:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the map alive
 
 
 def available_bytes() -> int | None:

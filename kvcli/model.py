@@ -60,11 +60,12 @@ class Block(nn.Module):
         self.register_buffer("attn_norm", w[p + "attn_norm.weight"].float(), persistent=False)
         self.register_buffer("ffn_norm", w[p + "ffn_norm.weight"].float(), persistent=False)
         # Fused projections: one product for q,k,v and one for gate,up (fewer ops per token);
-        # forms live on their device already (kvcli.llama loads them there).
-        self.wqkv = cat([_form(w[p + n], dtype) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
-        self.wo = _form(w[p + "attn_output.weight"], dtype)
-        self.w_gate_up = cat([_form(w[p + n], dtype) for n in ("ffn_gate.weight", "ffn_up.weight")])
-        self.w_down = _form(w[p + "ffn_down.weight"], dtype)
+        # forms live on their device already (kvcli.llama loads them there). The matrices are taken
+        # out of w, so that each layer's parts are freed once joined (load peak: one layer's copy).
+        self.wqkv = cat([_form(w.pop(p + n), dtype) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
+        self.wo = _form(w.pop(p + "attn_output.weight"), dtype)
+        self.w_gate_up = cat([_form(w.pop(p + n), dtype) for n in ("ffn_gate.weight", "ffn_up.weight")])
+        self.w_down = _form(w.pop(p + "ffn_down.weight"), dtype)
         self.dtype = dtype
         self.q_dim = c.n_heads * c.head_dim
         self._wkv = None
@@ -105,7 +106,8 @@ class Block(nn.Module):
 class Transformer(nn.Module):
     def __init__(self, c: ModelConfig, weights: dict, dtype: torch.dtype, n_ctx: int):
         """weights: GGUF name -> resident form (kvcli.weights) for matrices, or a plain tensor (a
-        matrix becomes Dense at `dtype`); norms and rope_freqs are plain tensors, kept f32."""
+        matrix becomes Dense at `dtype`); norms and rope_freqs are plain tensors, kept f32. The blocks'
+        matrices are taken out of it (see Block)."""
         super().__init__()
         self.c, self.dtype = c, dtype
         self.tok_embd = _form(weights["token_embd.weight"], dtype)

@@ -328,5 +328,6 @@ def load(tensor, form: str):
         codes = torch.from_numpy(np.concatenate([qs & 15, qs >> 4], -1).reshape(len(qs), -1))  # (N, K) 0..15
         return Int4.from_codes(codes, d, torch.zeros_like(d) if m is None else m + 8 * d)
     if form == "int8":
-        return Int8.from_codes(torch.from_numpy(np.ascontiguousarray(b["qs"]).reshape(len(b), -1)), d)
+        qb = np.ascontiguousarray(b["qs"].transpose(1, 0, 2))  # (K / 32, N, 32): one copy, straight from the map
+        return Int8(torch.from_numpy(qb), d.half())
     return Dense(torch.from_numpy(dequantize(tensor)).to(_DENSE[form]))

@@ -6,6 +6,7 @@ import torch
 
 from kvcli.attention import use_triton
 from kvcli.kernel_layout import Kind, KernelLayout
+from kvcli.memory import lazy_zeros
 from kvcli.cache.base import Store
 
 
@@ -15,8 +16,8 @@ class DenseStore(Store):
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.data = torch.zeros(self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim,
-                                dtype=self.dtype, device=self.device)
+        self.data = lazy_zeros((self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim),
+                               self.dtype, self.device)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()

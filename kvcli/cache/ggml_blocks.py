@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 from kvcli.attention import use_triton
 from kvcli.cache import block_products
+from kvcli.memory import lazy_zeros
 from kvcli.cache.base import STORAGE_TYPES, Store
 from kvcli.kernel_layout import Kind, KernelLayout
 
@@ -135,8 +136,8 @@ class GgmlBlockStore(Store):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.row_bytes = self.head_dim // self.block_size * self.block_bytes
-        self.data = torch.zeros(self.n_layers, self.batch, self.n_heads, self.n_ctx, self.row_bytes,
-                                dtype=torch.uint8, device=self.device)
+        self.data = lazy_zeros((self.n_layers, self.batch, self.n_heads, self.n_ctx, self.row_bytes),
+                               torch.uint8, self.device)
         if self.reads_nibbles:
             self.codes = block_products.BlockCodes(self.head_dim, self.block_bytes).to(self.device)
 

@@ -30,6 +30,7 @@ import torch
 
 from kvcli.attention import use_triton
 from kvcli.cache import block_products, int4_gemm
+from kvcli.memory import lazy_zeros
 from kvcli.cache.base import Store
 from kvcli.kernel_layout import Kind, KernelLayout
 from kvcli.errors import KvcliError
@@ -99,8 +100,8 @@ class HadamardQ4Store(Store):
         tw = self.tile
         self.width = min(tw, D)  # W: elements per value tile
         shape = (self.n_pad // tw, D, tw // 2) if self.keys else (D // self.width, self.n_pad, self.width // 2)
-        self.data = torch.zeros(L, B, H, *shape, dtype=torch.uint8, device=self.device)
-        self.scale = torch.zeros(L, B, H, D // 32, self.n_pad, dtype=torch.bfloat16, device=self.device)
+        self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
+        self.scale = lazy_zeros((L, B, H, D // 32, self.n_pad), torch.bfloat16, self.device)
         self.rot = rotation(D).to(self.device)  # r = x @ rot.T
         self.sink = torch.zeros(L, B, H, min(N_SINK, n), D, dtype=torch.float16, device=self.device)
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions

@@ -15,6 +15,7 @@ from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, Mo
                               ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, parse_weights, read_prompt, resolve_model,
                               user_errors)
 from kvcli.errors import KvcliError
+from kvcli.memory import return_freed_memory
 from kvcli.kld import KLD_TABLE_HEADER, KldStats, kld_report, kld_terms
 from kvcli.logprob_base import Base, BaseWriter, check_base, read_base
 from kvcli.perplexity import (PplStats, balanced_n_seq, chunk_logits, first_scored, make_chunks, n_scored, score_chunk,
@@ -39,17 +40,6 @@ def _check_numbers(ctx_size: int, batch_size: int, ubatch_size: int, chunks: int
     if chunks == 0 or chunks < -1:
         raise KvcliError(f"--chunks takes 1 or more, or -1 (all), not {chunks}")
     return parse_dtype(dtype)
-
-
-def _return_freed_memory() -> None:
-    """glibc keeps freed heap pages (the tokenizer's work on a whole text, the load's temporaries)
-    in the process; hand them back so they do not add to the scoring's peak. A no-op elsewhere."""
-    import ctypes
-
-    try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):  # not glibc
-        pass
 
 
 def _progress(console):
@@ -125,7 +115,7 @@ def perplexity_command(
         tok = Tokenizer.from_metadata(g.metadata)
         tokens = tok.encode(text, add_bos=None, parse_special=False)
         log(f"perplexity: tokenization took {1e3 * (time.perf_counter() - t0):g} ms")
-        _return_freed_memory()
+        return_freed_memory()
         bos_id = tok.bos_id if tok.add_bos else None
         if base is not None:
             inputs, targets = check_base(base, tokens, ctx_size, g.config.vocab_size, chunks, bos_id)
@@ -137,7 +127,7 @@ def perplexity_command(
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
                     batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
                     cache_mode=base_spec.mode, cache_type_h=base_spec.type_h, weights=weights)
-        _return_freed_memory()
+        return_freed_memory()
         base_spec = llm.cache_spec  # auto resolved to kv or hidden
         if ctx_size > llm.config.context_length:
             log(f"warning: -c {ctx_size} exceeds the model's training context ({llm.config.context_length})")
