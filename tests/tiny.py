@@ -28,11 +28,12 @@ def byte_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def make_hf_model(n_heads=4, n_kv_heads=2, tied=False, n_layers=2, hidden=64, seed=0, vocab=None):
+def make_hf_model(n_heads=4, n_kv_heads=2, tied=False, n_layers=2, hidden=64, seed=0, vocab=None, n_ff=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = vocab or len(byte_vocab()[0])
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=n_layers,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=n_ff or hidden * 3,
+                      num_hidden_layers=n_layers,
                       num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=256,
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=vocab - 1,
                       eos_token_id=vocab - 1)
