@@ -1,12 +1,14 @@
 """Resident weight forms (kvcli/weights.py) on SmolLM2-135M's shapes: one-row product time per
 form against the f16 GEMV, the Q8_0 head's kernel options, fused vs separate q/k/v, and the
-bf16 rounding of Q4_1 scales and zero points on the default model.
+bf16 rounding of the int4 form's scales and zero points: the default model's Q4_1 matrices and
+the Q4_K matrices of --q4k (default: the tiny random tests/data/tiny-Q4_K_M.gguf).
 
-    python benchmarks/weights.py [-t THREADS]
+    python benchmarks/weights.py [-t THREADS] [--q4k MODEL.gguf]
 """
 
 import argparse
 import time
+from pathlib import Path
 
 import torch
 
@@ -14,6 +16,9 @@ from kvcli.gguf_file import open_gguf, read_tensor
 from kvcli.models import default_model_path
 from kvcli.weights import Dense, Int4, Int8, cat, load
 
+TINY_Q4_K = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-Q4_K_M.gguf"
+ROUNDING_NAMES = ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.15.attn_k.weight",
+                  "blk.29.ffn_up.weight")
 SHAPES = {"wqkv": (960, 576), "wo": (576, 576), "w_gate_up": (3072, 576), "w_down": (576, 1536), "head": (49152, 576)}
 
 
@@ -31,6 +36,7 @@ def best_us(f, n=20, reps=5):
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("-t", "--threads", type=int, default=2)
+    ap.add_argument("--q4k", type=Path, default=TINY_Q4_K, help="a GGUF holding Q4_K matrices")
     args = ap.parse_args()
     torch.set_num_threads(args.threads)
     g = torch.Generator().manual_seed(0)
@@ -63,19 +69,26 @@ def main():
           f"{best_us(lambda: torch.ops.aten._weight_int8pack_mm(xb, q, ones), 5):.0f} us; "
           f"f32 activations: {best_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q, ones.float()), 5):.0f} us")
 
-    # bf16 rounding of the default model's Q4_1 scales and zero points: products vs the file's f32 values
-    m = open_gguf(default_model_path())
-    errs = []
-    for name in ("blk.0.attn_q.weight", "blk.0.ffn_gate.weight", "blk.0.ffn_down.weight", "blk.15.attn_k.weight",
-                 "blk.29.ffn_up.weight"):
+    rounding(default_model_path(), "Q4_1", g)
+    rounding(args.q4k, "Q4_K", g)
+
+
+def rounding(path, ggml_type: str, g: torch.Generator, count: int = 5):
+    """bf16 rounding of the int4 form's scales and zero points (the only change from the file's values):
+    products of up to `count` of the file's `ggml_type` matrices (ROUNDING_NAMES first) against its exact
+    f32 values."""
+    m = open_gguf(path)
+    typed = [n for n, t in m.tensors.items() if t.tensor_type.name == ggml_type and len(t.shape) == 2]
+    names = ([n for n in ROUNDING_NAMES if n in typed] + [n for n in typed if n not in ROUNDING_NAMES])[:count]
+    print(f"bf16 scale/zero rounding, {ggml_type} products vs exact f32 ({Path(path).name}; x ~ N(0,1), 64 rows), "
+          f"error / sum|x||w|:")
+    for name in names:
         form, w = load(m.tensors[name], "int4"), torch.from_numpy(read_tensor(m, name))
         xs = torch.randn(64, w.shape[1], generator=g)
         exact, got = xs @ w.T, xs @ form.dequantize().T
         rel = (got - exact).abs() / (xs.abs() @ w.abs().T)  # error per unit of sum |x w|: the bf16 scale
-        errs.append((name, rel.max().item(), rel.mean().item(), (got - exact).norm().item() / exact.norm().item()))
-    print("bf16 scale/zero rounding, Q4_1 products vs exact f32 (x ~ N(0,1), 64 rows), error / sum|x||w|:")
-    for name, mx, mean, fro in errs:
-        print(f"  {name:24} max {mx:.2e}  mean {mean:.2e}  ||err||/||y|| {fro:.2e}")
+        print(f"  {name:24} max {rel.max().item():.2e}  mean {rel.mean().item():.2e}  "
+              f"||err||/||y|| {(got - exact).norm().item() / exact.norm().item():.2e}")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,8 @@ Each form holds one matrix W (N, K) (torch order: N outputs, K inputs) and offer
   dequantize()  W (N, K) f32, the reference the tests and the prefill path use;
   nbytes        the bytes it keeps resident.
 Forms (chosen per tensor by `choose`, from its GGUF type):
-  Int4  Q4_0 / Q4_1: 4-bit codes with a per-32 scale and zero point, in torch's packed layout
-        for its int4 weight-only GEMM (kvcli/cache/int4_gemm.py): W = (q - 8) d + z.
+  Int4  Q4_0 / Q4_1 / Q4_K: 4-bit codes with a per-32 scale and zero point, in torch's packed
+        layout for its int4 weight-only GEMM (kvcli/cache/int4_gemm.py): W = (q - 8) d + z.
   Int8  Q8_0: int8 codes (N, K) and the f16 block scales (N, K / 32): W = d q.
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor.
 A decode step (few rows) multiplies the codes; a prefill batch dequantizes to f32 and runs an
@@ -132,7 +132,16 @@ class Int4:
         return ((c - 8) * sz[..., :1] + sz[..., 1:]).flatten(1)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
-        return self.dequantize()[ids]  # not used for embeddings (GGUF files keep those Q8_0 or wider)
+        """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32, only those unpacked (a
+        Q4_K_M file's token embedding is Q4_K): row r lies in tile r // T, byte column (r % T) % (T / 2),
+        the high nibble for the tile's second half."""
+        T = tile_width()
+        K = self.shape[1]
+        j = ids % T
+        b = self.packed.view(-1, K, T // 2)[ids // T, :, j % (T // 2)]  # (*ids.shape, K) bytes
+        c = (b >> (4 * (j >= T // 2)).to(torch.uint8)[..., None]) & 15
+        sz = self.sz[:, ids].movedim(0, -2).float()  # (*ids.shape, K / 32, 2)
+        return ((c.unflatten(-1, (-1, GROUP)).float() - 8) * sz[..., :1] + sz[..., 1:]).flatten(-2)
 
     def narrow(self, start: int, n: int):
         T = tile_width()
@@ -274,7 +283,7 @@ def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
     if weights != "native":
         return weights
     if device == "cpu" and tile_width() is not None:
-        if ggml_type in ("Q4_0", "Q4_1"):
+        if ggml_type in ("Q4_0", "Q4_1", "Q4_K"):
             return "int4"
         if ggml_type == "Q8_0":
             return "int8"
@@ -291,13 +300,15 @@ def resident_bytes(form: str, n: int, k: int) -> int:
     return n * k * _DENSE[form].itemsize
 
 
-# ggml block layouts as numpy records (gguf-py's quants read them so too).
+# ggml block layouts as numpy records (gguf-py's quants read them so too); Q4_K's super-blocks
+# hold 256 elements, the others 32.
 _RECORDS = {"Q4_0": [("d", "<f2"), ("qs", "u1", 16)], "Q4_1": [("d", "<f2"), ("m", "<f2"), ("qs", "u1", 16)],
-            "Q8_0": [("d", "<f2"), ("qs", "i1", 32)]}
+            "Q8_0": [("d", "<f2"), ("qs", "i1", 32)],
+            "Q4_K": [("d", "<f2"), ("dmin", "<f2"), ("scales", "u1", 12), ("qs", "u1", 128)]}
 
 
 def _blocks(tensor) -> np.ndarray:
-    """A quantized tensor's bytes as (N, K / 32) records over the memory map (no copy)."""
+    """A quantized tensor's bytes as (N, K / block) records over the memory map (no copy)."""
     n = int(np.prod([int(s) for s in tensor.shape[1:]]))
     return np.asarray(tensor.data).reshape(-1).view(np.dtype(_RECORDS[tensor.tensor_type.name])).reshape(n, -1)
 
@@ -310,14 +321,40 @@ def _check_finite(name: str, *scales: torch.Tensor) -> None:
             raise KvcliError(f"tensor {name} holds NaN/Inf block scales; the model file is corrupt")
 
 
+def _q4_k(name: str, b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Q4_K super-blocks (N, K / 256) -> codes (N, K) uint8 0..15, scale and zero (N, K / 32) f32.
+
+    A super-block: f16 d and dmin, 12 bytes of 6-bit scales sc and mins m for its 8 sub-blocks of
+    32, 128 bytes of codes (bytes 32c..32c+31: sub-block 2c in the low nibbles, 2c + 1 in the
+    high); w = d sc q - dmin m = d sc (q - 8) + (8 d sc - dmin m) (llama.cpp's dequantize_row_q4_K)."""
+    N = len(b)
+    d, dmin = (torch.from_numpy(b[f].astype(np.float32)) for f in ("d", "dmin"))  # (N, K / 256)
+    _check_finite(name, d, dmin)
+    # get_scale_min_k4: bytes 0-3 hold sc 0-3 in their low 6 bits, bytes 4-7 m 0-3; bytes 8-11 the
+    # low 4 bits of sc 4-7 (low nibble) and m 4-7 (high), whose top 2 bits are those of bytes 0-3 / 4-7.
+    s = b["scales"]  # (N, K / 256, 12)
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = torch.from_numpy(np.concatenate([lo & 63, (hi & 15) | (lo >> 6) << 4], -1).astype(np.float32))
+    m = torch.from_numpy(np.concatenate([mid & 63, (hi >> 4) | (mid >> 6) << 4], -1).astype(np.float32))
+    scale = (d[..., None] * sc).view(N, -1)  # (N, K / 32), exact in f32 (11-bit d times 6-bit sc)
+    zero = 8 * scale - (dmin[..., None] * m).view(N, -1)
+    qs = b["qs"].reshape(N, -1, 4, 32)  # a view over the file
+    codes = np.empty((N, qs.shape[1], 4, 2, 32), np.uint8)  # the one copy: no nibble temporaries
+    np.bitwise_and(qs, 15, out=codes[..., 0, :])
+    np.right_shift(qs, 4, out=codes[..., 1, :])
+    return torch.from_numpy(codes.reshape(N, -1)), scale, zero
+
+
 def load(tensor, form: str):
     """A gguf.ReaderTensor (over the memory map) -> its resident form, holding one tensor's copy at most.
 
     ggml blocks of 32: Q4_0 = f16 d, 16 bytes of codes (element j in the low nibble of byte j,
     j + 16 in the high one), w = d (q - 8); Q4_1 = f16 d, f16 m, 16 bytes, w = d q + m =
-    d (q - 8) + (m + 8 d); Q8_0 = f16 d, 32 int8, w = d q."""
+    d (q - 8) + (m + 8 d); Q8_0 = f16 d, 32 int8, w = d q. Q4_K: see _q4_k."""
     from kvcli.gguf_file import dequantize
 
+    if form == "int4" and tensor.tensor_type.name == "Q4_K":
+        return Int4.from_codes(*_q4_k(tensor.name, _blocks(tensor)))
     if form in ("int4", "int8"):
         b = _blocks(tensor)
         d = torch.from_numpy(b["d"].astype(np.float32))  # (N, K / 32)

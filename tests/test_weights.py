@@ -33,6 +33,52 @@ def adversarial_blocks(N: int, K: int, seed: int = 0):
     return codes, scale, zero
 
 
+def q4_k_bytes(d, dmin, sc, m, codes) -> np.ndarray:
+    """Q4_K super-blocks laid out as llama.cpp's block_q4_K (ggml-common.h, get_scale_min_k4):
+    d, dmin (N, K / 256) f16; sc, m (N, K / 256, 8) uint8 0..63; codes (N, K) uint8 0..15 ->
+    (N, K / 256 * 144) bytes: d, dmin, 12 bytes of scales and mins, 128 of codes."""
+    N, nb = d.shape
+    top = lambda v: (v[..., 4:] >> 4) << 6  # sub-blocks 4-7 keep their top 2 bits in bytes 0-7's top bits
+    scales = np.concatenate([sc[..., :4] | top(sc), m[..., :4] | top(m),
+                             (sc[..., 4:] & 15) | (m[..., 4:] & 15) << 4], -1)  # (N, K / 256, 12)
+    c = codes.reshape(N, nb, 4, 2, 32)  # bytes 32j..32j+31: sub-block 2j low nibbles, 2j + 1 high
+    qs = (c[..., 0, :] | c[..., 1, :] << 4).reshape(N, nb, 128)
+    halves = [np.asarray(v, "<f2").reshape(N, nb, 1).view(np.uint8) for v in (d, dmin)]
+    return np.concatenate([*halves, scales, qs], -1).reshape(N, -1)
+
+
+def q4_k_quantize(w: np.ndarray):
+    """A plain round-to-nearest Q4_K quantizer (gguf-py has none) -> (d, dmin, sc, m, codes) for
+    q4_k_bytes: each sub-block of 32 spans min(0, its min) .. its max in 15 steps; step and -min
+    in 6 bits of the super-block's d, dmin."""
+    N, K = w.shape
+    x = w.reshape(N, K // 256, 8, 32).astype(np.float32)
+    lo = np.minimum(x.min(-1), 0)
+    step = (x.max(-1) - lo) / 15  # (N, K / 256, 8)
+    d, dmin = (step.max(-1) / 63).astype(np.float16), ((-lo).max(-1) / 63).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):  # all-zero blocks: d = 0, codes 0
+        sc = np.nan_to_num(np.rint(step / d.astype(np.float32)[..., None])).clip(0, 63)
+        m = np.nan_to_num(np.rint(-lo / dmin.astype(np.float32)[..., None])).clip(0, 63)
+        scale, neg_min = (d[..., None] * sc)[..., None], (dmin[..., None] * m)[..., None]
+        q = np.nan_to_num(np.rint((x + neg_min) / scale)).clip(0, 15)
+    return d, dmin, sc.astype(np.uint8), m.astype(np.uint8), q.reshape(N, K).astype(np.uint8)
+
+
+def adversarial_q4_k(N: int, K: int, seed: int = 0):
+    """(d, dmin, sc, m, codes) of Q4_K super-blocks: d and dmin across f16's range (subnormal to
+    65504, zero, negative), 6-bit scales and mins all 0 or all 63, rows of codes all 0 or all 15."""
+    rng = np.random.default_rng(seed)
+    nb = K // 256
+    d = (np.exp(rng.uniform(-16, 11, (N, nb))) * rng.choice([1, 1, 1, -1], (N, nb))).astype(np.float16)
+    dmin = np.exp(rng.uniform(-16, 11, (N, nb))).astype(np.float16)
+    d[0, 0], d[1, 0], dmin[2, 0], d[3, 0], dmin[3, 0] = 65504, 6e-8, 65504, 0, 0
+    sc, m = (rng.integers(0, 64, (N, nb, 8), dtype=np.uint8) for _ in range(2))
+    sc[4], m[4], sc[5], m[5], m[6] = 63, 63, 0, 63, 0
+    codes = rng.integers(0, 16, (N, K), dtype=np.uint8)
+    codes[0], codes[1], codes[4] = 15, 0, 15
+    return d, dmin, sc, m, codes
+
+
 def _check(form, ref_w: torch.Tensor, rows=(1, 3, 64)):
     """form.matmul(x) against x @ ref_w.T for decode and prefill row counts, per output column."""
     for M in rows:
@@ -84,18 +130,58 @@ def test_cat_and_narrow_keep_products():
     assert torch.equal(dense.narrow(8, 4).w, dense.w[8:])
 
 
+@needs_int4
+@pytest.mark.parametrize("blocks", ["adversarial", "quantized"])
+@pytest.mark.parametrize("N,K", [(64, 256), (40, 512)])  # N off the tile width too
+def test_q4_k_form_equals_gguf_py(tmp_path, blocks, N, K):
+    """A Q4_K tensor's int4 form against gguf-py's dequantization of the same bytes, and its product."""
+    if blocks == "adversarial":
+        d, dmin, sc, m, codes = adversarial_q4_k(N, K)
+    else:
+        d, dmin, sc, m, codes = q4_k_quantize(np.random.default_rng(N).standard_normal((N, K)) * 0.02)
+    w = gguf.GGUFWriter(str(tmp_path / "q4_k.gguf"), "llama")
+    w.add_tensor("w", q4_k_bytes(d, dmin, sc, m, codes), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    t = gguf.GGUFReader(tmp_path / "q4_k.gguf").tensors[0]
+    form = load(t, "int4")
+    ref = torch.from_numpy(gguf.quants.dequantize(t.data, t.tensor_type).reshape(N, K))
+    # Bound: Int4 holds W = (q - 8) s + z per 32 with s = d sc, z = 8 d sc - dmin m (exact here, in
+    # f64), each rounded to bf16 (8 significant bits: |x - bf16(x)| <= 2^-8 |x| / (1 + 2^-8)), so
+    # |err| <= 2^-8 (|q - 8| |s| + |z|); the 2^-16 left over covers f32's roundings (< 2^-21).
+    s = (d.astype(np.float64)[..., None] * sc).reshape(N, -1, 1)
+    z = 8 * s - (dmin.astype(np.float64)[..., None] * m).reshape(N, -1, 1)
+    bound = torch.from_numpy(BF16 * (np.abs(codes.reshape(N, -1, 32) - 8.0) * np.abs(s) + np.abs(z)).reshape(N, K))
+    assert ((form.dequantize() - ref).abs() <= bound).all()
+    assert torch.equal(form.rows(torch.arange(N)), form.dequantize())
+    _check(form, form.dequantize())
+
+
+def test_q4_k_nan_scale_is_refused(tmp_path):
+    from kvcli.errors import KvcliError
+
+    d, dmin, sc, m, codes = adversarial_q4_k(32, 256)
+    dmin[3, 0] = np.nan
+    w = gguf.GGUFWriter(str(tmp_path / "q4_k.gguf"), "llama")
+    w.add_tensor("w", q4_k_bytes(d, dmin, sc, m, codes), raw_dtype=gguf.GGMLQuantizationType.Q4_K)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file(), w.close()
+    with pytest.raises(KvcliError, match="NaN/Inf"):
+        load(gguf.GGUFReader(tmp_path / "q4_k.gguf").tensors[0], "int4")
+
+
 def _quantized_model(tmp_path, qtype, tied):
-    """A tiny model with every matrix quantized to qtype by gguf-py; norms stay f32."""
-    model = make_hf_model(n_layers=2, hidden=64, tied=tied, seed=3)
+    """A tiny model with every matrix quantized to qtype by gguf-py (Q4_K, which gguf-py cannot
+    quantize: by q4_k_quantize, 256 wide for its super-blocks); norms stay f32."""
+    q4_k = qtype == gguf.GGMLQuantizationType.Q4_K
+    model = make_hf_model(n_layers=2, hidden=256 if q4_k else 64, n_ff=256 if q4_k else None, tied=tied, seed=3)
     path = write_gguf(model, tmp_path / "f32.gguf")
     g = open_gguf(path)
-    raw = {n: (gguf.quants.quantize(read_tensor(g, n), qtype), qtype) for n, t in g.tensors.items()
-           if len(t.shape) == 2}
+    quantize = (lambda w: q4_k_bytes(*q4_k_quantize(w))) if q4_k else (lambda w: gguf.quants.quantize(w, qtype))
+    raw = {n: (quantize(read_tensor(g, n)), qtype) for n, t in g.tensors.items() if len(t.shape) == 2}
     return write_gguf(model, tmp_path / f"{qtype.name}.gguf", raw=raw)
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-                                   gguf.GGMLQuantizationType.Q8_0])
+                                   gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K])
 def test_loaded_forms_equal_the_files_values(tmp_path, qtype):
     path = _quantized_model(tmp_path, qtype, tied=True)
     g = open_gguf(path)
@@ -114,7 +200,7 @@ LOGIT_BOUND = 0.05
 
 
 @pytest.mark.parametrize("qtype", [gguf.GGMLQuantizationType.Q4_0, gguf.GGMLQuantizationType.Q4_1,
-                                   gguf.GGMLQuantizationType.Q8_0])
+                                   gguf.GGMLQuantizationType.Q8_0, gguf.GGMLQuantizationType.Q4_K])
 @pytest.mark.parametrize("tied", [True, False])
 def test_tiny_quantized_model_native_equals_f32(tmp_path, qtype, tied):
     path = _quantized_model(tmp_path, qtype, tied)

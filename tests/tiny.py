@@ -14,6 +14,11 @@ def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
+def llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
+    """GGUF adjacent-pair rows -> Hugging Face rotate-half rows: the inverse of llama_permute."""
+    return w.reshape(n_head, w.shape[0] // n_head // 2, 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
 def byte_vocab() -> tuple[list[str], list[int]]:
     """A GPT-2 byte-level vocab: the 256 byte symbols, a few merges' results, one control token."""
     bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
@@ -28,11 +33,12 @@ def byte_vocab() -> tuple[list[str], list[int]]:
     return tokens, types
 
 
-def make_hf_model(n_heads=4, n_kv_heads=2, tied=False, n_layers=2, hidden=64, seed=0, vocab=None):
+def make_hf_model(n_heads=4, n_kv_heads=2, tied=False, n_layers=2, hidden=64, seed=0, vocab=None, n_ff=None):
     from transformers import LlamaConfig, LlamaForCausalLM
 
     vocab = vocab or len(byte_vocab()[0])
-    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=n_layers,
+    cfg = LlamaConfig(vocab_size=vocab, hidden_size=hidden, intermediate_size=n_ff or hidden * 3,
+                      num_hidden_layers=n_layers,
                       num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=256,
                       rms_norm_eps=1e-5, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=vocab - 1,
                       eos_token_id=vocab - 1)
@@ -45,16 +51,12 @@ def make_hf_model(n_heads=4, n_kv_heads=2, tied=False, n_layers=2, hidden=64, se
     return model
 
 
-def write_gguf(model, path: Path, arch: str = "llama", drop: str | None = None, overrides: dict | None = None,
-               raw: dict | None = None) -> Path:
-    """Write `model` (a LlamaForCausalLM) as an f32 GGUF. `drop` leaves a tensor out, `overrides`
-    replaces tensors by GGUF name, `raw` maps a GGUF name to (bytes ndarray, GGMLQuantizationType)."""
-    cfg = model.config
-    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+def gguf_names(n_layers: int, tied: bool) -> dict[str, str]:
+    """Hugging Face Llama parameter name -> GGUF tensor name (llama.cpp's converter)."""
     names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
-    if not cfg.tie_word_embeddings:
+    if not tied:
         names["lm_head.weight"] = "output.weight"
-    for i in range(cfg.num_hidden_layers):
+    for i in range(n_layers):
         hf, g = f"model.layers.{i}.", f"blk.{i}."
         names |= {hf + "input_layernorm.weight": g + "attn_norm.weight",
                   hf + "self_attn.q_proj.weight": g + "attn_q.weight",
@@ -65,6 +67,16 @@ def write_gguf(model, path: Path, arch: str = "llama", drop: str | None = None, 
                   hf + "mlp.gate_proj.weight": g + "ffn_gate.weight",
                   hf + "mlp.up_proj.weight": g + "ffn_up.weight",
                   hf + "mlp.down_proj.weight": g + "ffn_down.weight"}
+    return names
+
+
+def write_gguf(model, path: Path, arch: str = "llama", drop: str | None = None, overrides: dict | None = None,
+               raw: dict | None = None) -> Path:
+    """Write `model` (a LlamaForCausalLM) as an f32 GGUF. `drop` leaves a tensor out, `overrides`
+    replaces tensors by GGUF name, `raw` maps a GGUF name to (bytes ndarray, GGMLQuantizationType)."""
+    cfg = model.config
+    sd = {k: v.detach().float().numpy() for k, v in model.state_dict().items()}
+    names = gguf_names(cfg.num_hidden_layers, cfg.tie_word_embeddings)
     w = gguf.GGUFWriter(str(path), arch)
     w.add_block_count(cfg.num_hidden_layers)
     w.add_context_length(cfg.max_position_embeddings)
