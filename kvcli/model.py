@@ -68,7 +68,7 @@ class Block(nn.Module):
         self.w_down = _form(w.pop(p + "ffn_down.weight"), dtype)
         self.dtype = dtype
         self.q_dim = c.n_heads * c.head_dim
-        self._wkv = None
+        self._wkv = self._wk = self._wv_heads = None  # views of wqkv, made on first use
 
     @property
     def wkv(self):
@@ -77,17 +77,31 @@ class Block(nn.Module):
             self._wkv = self.wqkv.narrow(self.q_dim, 2 * self.c.kv_dim)
         return self._wkv
 
+    @property
+    def wk(self):
+        """The k rows of wqkv as a form (a view, made once)."""
+        if self._wk is None:
+            self._wk = self.wqkv.narrow(self.q_dim, self.c.kv_dim)
+        return self._wk
+
+    @property
+    def wv_heads(self) -> list:
+        """Each KV head's rows of Wv, a form apiece (views): the hidden-state cache projects weighted sums with them."""
+        if self._wv_heads is None:
+            c = self.c
+            self._wv_heads = [self.wqkv.narrow(self.q_dim + c.kv_dim + h * c.head_dim, c.head_dim)
+                              for h in range(c.n_kv_heads)]
+        return self._wv_heads
+
     def forms(self) -> dict:
         return {"wqkv": self.wqkv, "wo": self.wo, "w_gate_up": self.w_gate_up, "w_down": self.w_down}
 
-    def project_kv(self, x: torch.Tensor, rot: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K = RoPE(x Wk), V = x Wv for normed inputs x (B, n, n_embd) f32 at rot's n positions -> each
-        (B, n, Hkv, D) f32, multiplied as forward multiplies: the hidden-state cache rebuilds K/V so."""
+    def project_k(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """K = RoPE(x Wk) for normed inputs x (B, n, n_embd) f32 at rot's n positions -> (B, n, Hkv, D) f32,
+        multiplied as forward multiplies: the hidden-state cache rebuilds K so."""
         c = self.c
-        kv = self.wkv.matmul(x)  # (B, n, 2 * kv_dim)
-        B, n = kv.shape[:2]
-        k = apply_rope(kv[..., : c.kv_dim].reshape(B, n, c.n_kv_heads, c.head_dim), rot)
-        return k, kv[..., c.kv_dim :].reshape(B, n, c.n_kv_heads, c.head_dim)
+        k = self.wk.matmul(x)  # (B, n, kv_dim)
+        return apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), rot)
 
     def forward(self, h: torch.Tensor, cache: Cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         c = self.c

@@ -1,8 +1,10 @@
 """The hidden-state cache: keep each layer's normed attention input x instead of K and V.
 
 Per layer and position it stores x (n_embd), the block's RMSNorm output, in one storage
-type; attention rebuilds K = RoPE(x Wk) and V = x Wv from the stored-then-loaded x, a chunk
-of positions at a time, with the block's own weights (slices of `wqkv`) and RoPE table.
+type; attention rebuilds K = RoPE(x Wk) from the stored-then-loaded x, a chunk of positions
+at a time, with the block's own weights (slices of `wqkv`) and RoPE table. Values are not
+rebuilt: sum_t p_t (Wv x_t) = Wv (sum_t p_t x_t), so a chunk's weighted sum of x is projected
+once (R query rows, not every position), which halves the rebuild work of a decode step.
 For MHA models (kv_dim == n_embd) that is half the bytes of K+V; for GQA it is more, and
 `describe` says so. Prefill attends to rebuilt K/V as well, so perplexity shows the loss.
 
@@ -31,17 +33,16 @@ def store_head_dim(n_embd: int) -> int:
     return min(n_embd & -n_embd, HADAMARD_MAX)
 
 
-class _Rebuilt:
-    """A read-only K or V "store" over the hidden cache: `load` rebuilds positions from x.
+class _Keys:
+    """A read-only K "store" over the hidden cache: `load` rebuilds K = RoPE(x Wk) from the stored x.
 
     Shaped like a Store (n_heads, head_dim, identity to/from_storage) so the library's
-    `attend_reference` runs unchanged over it (online softmax or -fa off, GQA, masks, chunks).
-    K and V of a chunk come from one matmul; the pair is kept until the other half is read."""
+    `attend_reference` runs unchanged over it (online softmax or -fa off, GQA, masks, chunks)."""
 
     name = "rebuilt"
 
-    def __init__(self, cache: "HiddenCache", which: int):
-        self.cache, self.which = cache, which
+    def __init__(self, cache: "HiddenCache"):
+        self.cache = cache
         self.n_heads, self.head_dim = cache.config.n_kv_heads, cache.config.head_dim
         self.device = cache.h.device
 
@@ -52,9 +53,23 @@ class _Rebuilt:
         return x
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
-        return self.cache.rebuild(layer, start, end)[self.which]
+        return self.cache.keys(layer, start, end)
 
-    scores, weighted_sum = Store.scores, Store.weighted_sum  # products over `load`, as any store
+    scores = Store.scores  # q . K over the rebuilt chunk
+
+
+class _Values(_Keys):
+    """The V side: values are never rebuilt. V_t = Wv x_t is linear in x, so for each KV head h
+        sum_t p_t V_t = Wv_h (sum_t p_t x_t)
+    one product of the weighted sum of x (R rows) instead of a projection of every position's x."""
+
+    def load(self, layer: int, start: int, end: int) -> torch.Tensor:
+        return self.cache.values(layer, start, end)  # for callers that want V itself (tests, kernels)
+
+    def weighted_sum(self, layer: int, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """p (B, Hkv, R, n) -> (B, Hkv, R, D)."""
+        xs = p @ self.cache.x_chunk(layer, start, end)[:, None]  # (B, Hkv, R, n_embd)
+        return self.cache.project_values(layer, xs)
 
 
 class HiddenCache:
@@ -70,8 +85,8 @@ class HiddenCache:
         self.n_layers, self.batch, self.n_ctx = c.n_layers, batch, n_ctx
         ds = store_head_dim(c.n_embd)
         self.h = resolve_type(type_h)(c.n_layers, batch, c.n_embd // ds, n_ctx, ds, device=device)
-        self.k, self.v = _Rebuilt(self, 0), _Rebuilt(self, 1)
-        self._pair_key, self._pair = None, None
+        self.k, self.v = _Keys(self), _Values(self)
+        self._x_key, self._x = None, None  # the last chunk of x loaded: K and V of a chunk read it once
         self._cos_sin = None  # (n_ctx, D/2) f32 pair for the Triton kernel, made on first use
 
     # ---- sizes ----
@@ -108,7 +123,7 @@ class HiddenCache:
         if pos + T > self.n_ctx:
             raise KvcliError(f"context full: {pos + T} tokens do not fit in a {self.n_ctx}-token cache")
         self.h.store(layer, x.float().reshape(B, T, self.h.n_heads, self.h.head_dim), pos)
-        self._pair_key = None  # the stored contents changed
+        self._x_key = None  # the stored contents changed
         return self.attend.hidden(q, self, layer, pos)
 
     def load_x(self, layer: int, start: int, end: int) -> torch.Tensor:
@@ -116,14 +131,26 @@ class HiddenCache:
         x = self.h.from_storage(self.h.load(layer, start, end))  # (B, Hs, n, Ds)
         return x.transpose(1, 2).reshape(x.shape[0], end - start, self.config.n_embd)
 
-    def rebuild(self, layer: int, start: int, end: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K = RoPE(x Wk), V = x Wv at positions start..end-1, each (B, Hkv, n, D) f32."""
+    def x_chunk(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """load_x, kept until the next chunk: the keys and the values of a chunk read it once."""
         key = (layer, start, end)
-        if self._pair_key == key:
-            return self._pair
-        k, v = self.model.blocks[layer].project_kv(self.load_x(layer, start, end), self.model.rot[start:end])
-        self._pair_key, self._pair = key, (k.transpose(1, 2), v.transpose(1, 2))
-        return self._pair
+        if self._x_key != key:
+            self._x_key, self._x = key, self.load_x(layer, start, end)
+        return self._x
+
+    def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """K = RoPE(x Wk) at positions start..end-1 -> (B, Hkv, n, D) f32."""
+        return self.model.blocks[layer].project_k(self.x_chunk(layer, start, end), self.model.rot[start:end]).transpose(1, 2)
+
+    def values(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """V = x Wv at positions start..end-1 -> (B, Hkv, n, D) f32 (attention itself never builds it)."""
+        x = self.x_chunk(layer, start, end)  # (B, n, n_embd)
+        return torch.stack([w.matmul(x) for w in self.model.blocks[layer].wv_heads], 1)
+
+    def project_values(self, layer: int, xs: torch.Tensor) -> torch.Tensor:
+        """xs (B, Hkv, R, n_embd), weighted sums of x for each KV head's query rows -> (B, Hkv, R, D):
+        head h's rows times Wv_h, one product per KV head."""
+        return torch.stack([w.matmul(xs[:, h]) for h, w in enumerate(self.model.blocks[layer].wv_heads)], 1)
 
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         rot = self.model.rot
