@@ -41,7 +41,7 @@ ROWS = 8192  # rows drawn at a time (8192 x 8192 f32: 256 MiB)
 
 def byte_chars() -> list[str]:
     """GPT-2's byte -> printable character table (byte-level BPE), in its usual order."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     cs, n = bs[:], 0
     for b in range(256):
         if b not in bs:
@@ -79,7 +79,8 @@ def tensor_plan() -> list[tuple[str, tuple[int, int] | tuple[int]]]:
                  (p + "ffn_gate.weight", (N_FF, N_EMBD)), (p + "ffn_up.weight", (N_FF, N_EMBD)),
                  (p + "ffn_norm.weight", (N_EMBD,)), (p + "attn_k.weight", (KV_HEADS * HEAD_DIM, N_EMBD)),
                  (p + "attn_output.weight", (N_EMBD, HEADS * HEAD_DIM)),
-                 (p + "attn_q.weight", (HEADS * HEAD_DIM, N_EMBD)), (p + "attn_v.weight", (KV_HEADS * HEAD_DIM, N_EMBD))]
+                 (p + "attn_q.weight", (HEADS * HEAD_DIM, N_EMBD)),
+                 (p + "attn_v.weight", (KV_HEADS * HEAD_DIM, N_EMBD))]
     return plan + [("output_norm.weight", (N_EMBD,))]
 
 
@@ -137,10 +138,7 @@ def write_f16(path: Path, seed: int) -> None:
 
 def quantize(bin_dir: Path, base: Path, out: Path, qtype: str, threads: int) -> None:
     tmp = out.with_suffix(".tmp")
-    r = subprocess.run([str(bin_dir / "llama-quantize"), str(base), str(tmp), qtype, str(threads)],
-                       stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise SystemExit(f"llama-quantize {qtype} failed:\n{r.stderr[-2000:]}")
+    sh([str(bin_dir / "llama-quantize"), str(base), str(tmp), qtype, str(threads)])
     tmp.rename(out)
 
 
@@ -155,11 +153,18 @@ def file_tensors(path: Path) -> tuple[int, str]:
     return sum(int(t.n_bytes) for t in r.tensors), ", ".join(f"{n} x {k}" for k, n in sorted(counts.items()))
 
 
-def timed(cmd: list[str]) -> tuple[float, str]:
-    """(peak RSS MiB, stderr + stdout) of cmd under /usr/bin/time -v, stdin from /dev/null."""
-    r = subprocess.run(["/usr/bin/time", "-v", *cmd], stdin=subprocess.DEVNULL, capture_output=True, text=True)
+def sh(cmd: list[str], env: dict | None = None) -> subprocess.CompletedProcess:
+    """cmd with stdin from /dev/null, its output captured; a failure ends the script with its stderr.
+    errors="replace": random weights generate bytes that are not UTF-8."""
+    r = subprocess.run(cmd, stdin=subprocess.DEVNULL, capture_output=True, text=True, errors="replace", env=env)
     if r.returncode != 0:
         raise SystemExit(f"failed ({r.returncode}): {' '.join(cmd)}\n{r.stderr[-3000:]}")
+    return r
+
+
+def timed(cmd: list[str]) -> tuple[float, str]:
+    """(peak RSS MiB, stderr + stdout) of cmd under /usr/bin/time -v."""
+    r = sh(["/usr/bin/time", "-v", *cmd])
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1)) / 1024
     return rss, r.stderr + r.stdout
 
@@ -184,30 +189,24 @@ def llama_run(bin_dir: Path, model: Path, threads: int) -> dict:
 
 def kvcli_info(model: Path) -> str:
     """`kvcli info`'s weights line and its table of resident forms per tensor type."""
-    out = subprocess.run(["kvcli", "info", str(model)], stdin=subprocess.DEVNULL, capture_output=True, text=True,
-                         env=dict(os.environ, COLUMNS="160"), check=True).stdout
+    out = sh(["kvcli", "info", str(model)], env=dict(os.environ, COLUMNS="160")).stdout
     return out.split("cache bytes per token")[0].split("\n", 2)[2].rstrip()
 
 
 def kvcli_tg(model: Path, threads: int, n: int, reps: int) -> float:
-    out = subprocess.run(["kvcli", "bench", "-m", str(model), "-p", "0", "-n", str(n), "-t", str(threads), "-r",
-                          str(reps), "-o", "csv"], stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"kvcli bench failed:\n{out.stderr[-3000:]}")
+    out = sh(["kvcli", "bench", "-m", str(model), "-p", "0", "-n", str(n), "-t", str(threads), "-r", str(reps),
+              "-o", "csv"])
     return float(next(csv.DictReader(io.StringIO(out.stdout)))["tokens_per_s"])
 
 
 def llama_tg(bin_dir: Path, model: Path, threads: int, n: int, reps: int) -> float:
-    out = subprocess.run([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(n), "-t", str(threads),
-                          "-fa", "1", "-r", str(reps), "-o", "json"],
-                         stdin=subprocess.DEVNULL, capture_output=True, text=True)
-    if out.returncode != 0:
-        raise SystemExit(f"llama-bench failed:\n{out.stderr[-3000:]}")
+    out = sh([str(bin_dir / "llama-bench"), "-m", str(model), "-p", "0", "-n", str(n), "-t", str(threads), "-fa", "1",
+              "-r", str(reps), "-o", "json"])
     return json.loads(out.stdout)[0]["avg_ts"]
 
 
 def machine() -> str:
-    model = re.search(r"Model name:\s*(.+)", subprocess.run(["lscpu"], capture_output=True, text=True).stdout)
+    model = re.search(r"Model name:\s*(.+)", sh(["lscpu"]).stdout)
     flags = open("/proc/cpuinfo").read()
     simd = [f for f in ("avx2", "avx512f") if f" {f} " in flags]
     return f"{model.group(1).strip() if model else '?'}, {os.cpu_count()} cores, {'/'.join(simd) or 'no AVX2'}"
