@@ -352,18 +352,24 @@ def read_tensor(model: GGUFModel, name: str) -> np.ndarray:
     return dequantize(model.tensors[name])
 
 
-def dequantize(t: Any) -> np.ndarray:
-    """A gguf.ReaderTensor dequantized to float32, in torch (rows, cols) order."""
+def dequantize(t: Any, start: int = 0, end: int | None = None) -> np.ndarray:
+    """A gguf.ReaderTensor dequantized to float32, in torch (rows, cols) order; rows start..end-1 only
+    if given (a large matrix is converted a slab at a time, never as one f32 copy)."""
     import gguf
 
-    name = t.name
+    shape = _torch_shape(t)
+    rows = t.data.reshape(int(np.prod(shape[:-1])), -1)[start:end]  # (n, elements or bytes per row): a view
     try:
-        values = gguf.quants.dequantize(t.data, t.tensor_type)
+        out = gguf.quants.dequantize(rows, t.tensor_type)
     except NotImplementedError:
-        raise KvcliError(f"tensor {name} has unsupported type {t.tensor_type.name}") from None
-    out = np.array(values, dtype=np.float32).reshape(_torch_shape(t))  # a copy: the file stays read-only
+        raise KvcliError(f"tensor {t.name} has unsupported type {t.tensor_type.name}") from None
+    out = np.asarray(out, dtype=np.float32)
+    if out.base is not None or not out.flags.writeable:  # a view of the read-only file: copy it
+        out = out.copy()
+    out = out.reshape(len(rows), shape[-1]) if end is not None or start else out.reshape(shape)
     finite = np.isfinite(out)
     if not finite.all():  # a NaN scale in one block would otherwise poison every logit, silently
-        raise KvcliError(f"tensor {name} holds {out.size - int(finite.sum())} NaN/Inf values (the first at flat "
-                         f"index {int(np.argmin(finite.ravel()))}); the model file is corrupt")
+        first = start * shape[-1] + int(np.argmin(finite.ravel()))
+        raise KvcliError(f"tensor {t.name} holds {out.size - int(finite.sum())} NaN/Inf values (the first at flat "
+                         f"index {first}); the model file is corrupt")
     return out

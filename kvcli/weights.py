@@ -20,15 +20,13 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcli.cache.int4_gemm import GROUP, tile_width, unpack_pairs
+from kvcli.cache.int4_gemm import GROUP, pack_pairs, tile_width, unpack_pairs
 
 # Rows above which a product dequantizes to f32 and runs a GEMM: a CPU multiplies one row by
 # f16 or packed codes fast (GEMV), a prefill batch faster as an f32 GEMM, conversion included.
 UPCAST_ROWS = 32
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
 _DENSE = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
-# Rows converted at a time while packing: bounds the int32 code matrix the packing op takes.
-PACK_ROWS = 4096
 
 
 def _rows(x: torch.Tensor) -> int:
@@ -92,16 +90,16 @@ class Int4:
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4:
-        """codes (N, K) uint8 0..15, scale and zero (N, K / 32) f32 -> the packed form (one op call
-        per PACK_ROWS rows: the int32 codes it takes are 4x the bytes)."""
+        """codes (N, K) uint8 0..15, scale and zero (N, K / 32) f32 -> the packed form. The tiles are laid
+        out here with uint8 ops (int4_gemm.tile_width() checked that torch's packing op lays them so),
+        not through that op, which takes int32 codes: 4x the bytes and several times the time."""
         T = tile_width()
         N, K = codes.shape
         pad = -N % T
         if pad:
             codes = torch.cat([codes, codes.new_full((pad, K), 8)])
             scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
-        packed = torch.cat([torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes[i : i + PACK_ROWS].int(), 1)
-                            for i in range(0, N + pad, PACK_ROWS)])  # PACK_ROWS is whole tiles
+        packed = pack_pairs(codes.view(-1, T, K).transpose(1, 2)).reshape(N + pad, K // 2)  # (N_pad / T, K, T / 2)
         sz = torch.stack([scale.T, zero.T], -1).bfloat16().contiguous()  # (K / 32, N_pad, 2)
         return cls(packed, sz, N)
 
@@ -367,4 +365,8 @@ def load(tensor, form: str):
     if form == "int8":
         qb = np.ascontiguousarray(b["qs"].transpose(1, 0, 2))  # (K / 32, N, 32): one copy, straight from the map
         return Int8(torch.from_numpy(qb), d.half())
-    return Dense(torch.from_numpy(dequantize(tensor)).to(_DENSE[form]))
+    n, k = (int(np.prod([int(s) for s in tensor.shape[1:]])), int(tensor.shape[0]))
+    w = torch.empty(n, k, dtype=_DENSE[form])
+    for s in range(0, n, SLAB_ROWS):  # a slab of rows in f32 at a time: peak = the result plus one slab
+        w[s : s + SLAB_ROWS] = torch.from_numpy(dequantize(tensor, s, s + SLAB_ROWS))
+    return Dense(w)
