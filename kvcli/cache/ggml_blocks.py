@@ -150,7 +150,7 @@ class GgmlBlockStore(Store):
         return self.data[layer, :, :, start:end].flatten(0, 1)
 
     def scores(self, layer, q, start, end):
-        if not self.direct(q):
+        if not (self.direct(q) and block_products.int_mm_fast()):
             return super().scores(layer, q, start, end)
         B, H, R, D = q.shape
         return block_products.scores(q.reshape(B * H, R, D), self.rows(layer, start, end),
