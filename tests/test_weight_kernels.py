@@ -203,3 +203,13 @@ def test_synthetic_shape_native_weights_are_packed():
         assert {f.kind if f.kind != "dense" else f.name for f in llm.model.forms().values()} == kinds
         assert weight_bytes(llm.config, "f16", False, w, synthetic_types(llm.config)) == llm.model.weight_bytes()
         assert torch.isfinite(llm.eval([5, 6, 7])).all()
+
+
+def test_synthetic_shape_gets_the_cuda_form(monkeypatch):
+    """On CUDA a --shape model's native matrices are Blocks: here on CPU, the device choice forced,
+    counted as the CUDA plan counts them (their products: test_tiny_model_with_blocks_equals_f32)."""
+    real = weights.resident_form
+    monkeypatch.setattr(weights, "resident_form", lambda t, w, dt, dev: real(t, w, dt, "cuda"))
+    llm = Llama(shape="smollm2-135m", ctx_size=16, dtype="f32")
+    assert {f.kind for f in llm.model.forms().values()} == {"int4_cuda"}
+    assert weight_bytes(llm.config, "f32", False, "native", synthetic_types(llm.config)) == llm.model.weight_bytes()
