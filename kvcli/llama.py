@@ -24,11 +24,11 @@ from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
-from kvcli.weights import WEIGHTS, Dense, load, resident_form
+from kvcli.weights import WEIGHTS, load, resident_form
 from kvcli.memory import check_fits, return_freed_memory
 from kvcli.model import Transformer, dtype_from_name
 from kvcli.models import pull_default
-from kvcli.shapes import random_weights, shape_config, weight_bytes
+from kvcli.shapes import random_forms, shape_config, synthetic_types, weight_bytes
 
 
 class _DefaultModel:
@@ -73,8 +73,8 @@ class Llama:
         dtype: compute dtype, f32, f16 or bf16: of the activations, and of matrices kept dense
             under native weights (a type with no packed form).
         weights: native (each matrix in the resident form of its GGUF type, kvcli.weights: Q4_0/Q4_1/Q4_K
-            packed int4, Q8_0 int8, others dense at dtype), f16 or f32 (every matrix dense; f32 is
-            the exact reference).
+            packed int4, Q8_0 int8, others dense at dtype; a --shape model's matrices as Q4_0), f16 or
+            f32 (every matrix dense; f32 is the exact reference).
         cache_type_k, cache_type_v, cache_type_h, cache_mode: the cache choice, as -ctk/-ctv/-cth/--cache-mode
             (cache_mode auto: hidden only where it is smaller than K+V).
         batch_size: tokens per forward pass when prefilling.  n_seq: sequences the cache holds.
@@ -117,7 +117,7 @@ class Llama:
         self.cache_mode = self.cache_spec.mode
         self.attention = Attention(flash=flash_attn)  # how every cache of this run attends
         untied = not self.synthetic and "output.weight" in self.gguf.tensors
-        types = None if self.synthetic else {n: t.tensor_type.name for n, t in self.gguf.tensors.items()}
+        types = synthetic_types(c) if self.synthetic else {n: t.tensor_type.name for n, t in self.gguf.tensors.items()}
         self.weights = weights
         if device == "cpu":
             check_fits(weight_bytes(c, dtype, untied, weights, types, device), c, self.cache_spec, self.n_ctx, n_seq,
@@ -131,9 +131,8 @@ class Llama:
                 pass  # raised again where the tokenizer is used (bench and perplexity of ids need none)
         t0 = time.perf_counter()
         compute = dtype_from_name(dtype)
-        if self.synthetic:
-            dense = compute if weights == "native" else dtype_from_name(weights)
-            tensors = {n: Dense(w.to(dense)) if w.dim() > 1 else w for n, w in random_weights(c, compute, device)}
+        if self.synthetic:  # native: Q4_0 blocks of the random weights, in the device's form
+            tensors = dict(random_forms(c, weights, dtype, device))
         else:
             names = list(expected_shapes(c)) + [n for n in optional_shapes(c) if n in self.gguf.tensors]
             # Straight from the memory map to the resident form, one tensor at a time (peak: the
@@ -144,7 +143,7 @@ class Llama:
                 if len(t.shape) == 1:
                     tensors[n] = torch.from_numpy(read_tensor(self.gguf, n))
                 else:
-                    form = load(t, resident_form(t.tensor_type.name, weights, dtype, device))
+                    form = load(t, resident_form(t.tensor_type.name, weights, dtype, device), dtype)
                     tensors[n] = form.to(device) if device != "cpu" else form
                     self.gguf.drop_pages()  # the file's pages read for it: peak = resident + one tensor
         self.device = device

@@ -48,11 +48,45 @@ def random_weights(c: ModelConfig, dtype: torch.dtype, device: str, seed: int = 
             yield name, torch.randn(shape, generator=g, device=device, dtype=dtype) * 0.02
 
 
+# The ggml type a synthetic model's matrices stand for: --weights native keeps them as 4-bit codes in
+# the device's form for Q4_0 (the common 4-bit case), so a --shape run measures packed weights.
+SYNTHETIC_TYPE = "Q4_0"
+
+
+def synthetic_types(c: ModelConfig) -> dict[str, str]:
+    """GGUF tensor name -> the ggml type it stands for in a synthetic model (matrices Q4_0, norms F32)."""
+    from kvcli.gguf_file import expected_shapes
+
+    return {name: SYNTHETIC_TYPE if len(shape) > 1 else "F32" for name, shape in expected_shapes(c).items()}
+
+
+def random_forms(c: ModelConfig, weights: str, dtype: str, device: str, seed: int = 0):
+    """Yield (GGUF tensor name, resident form, or a unit norm) of a synthetic model, made on `device`
+    one at a time: under --weights native each matrix as random 4-bit codes in the device's form for
+    SYNTHETIC_TYPE (kvcli.weights.random_int4: no quantizing, a random model's values do not matter),
+    else random_weights' matrices, dense at the chosen dtype."""
+    from kvcli.gguf_file import expected_shapes
+    from kvcli.model import dtype_from_name
+    from kvcli.weights import Dense, random_int4, resident_form
+
+    form = resident_form(SYNTHETIC_TYPE, weights, dtype, device)
+    if form not in ("int4", "int4_cuda"):  # dense: f16 / f32 weights, or no packed form here
+        for name, w in random_weights(c, dtype_from_name(form), device, seed):
+            yield name, Dense(w) if w.dim() > 1 else w
+        return
+    g = torch.Generator(device=device).manual_seed(seed)
+    for name, shape in expected_shapes(c).items():
+        if len(shape) == 1:
+            yield name, torch.ones(shape, device=device)
+        else:
+            yield name, random_int4(form, *shape, g, dtype)
+
+
 def weight_bytes(c: ModelConfig, dtype: str, untied_output: bool = False, weights: str = "native",
                  types: dict[str, str] | None = None, device: str = "cpu") -> int:
     """The decoder's weights in memory as Llama holds them: each matrix in its resident form
-    (kvcli.weights.resident_form of its GGUF type; types: name -> ggml type name, None for a
-    synthetic model's dense matrices), norms f32."""
+    (kvcli.weights.resident_form of its GGUF type; types: name -> ggml type name, synthetic_types for
+    a synthetic model, None for F32 matrices), norms f32."""
     return sum(resident_weight_bytes(c, dtype, untied_output, weights, types, device).values())
 
 

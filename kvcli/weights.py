@@ -9,9 +9,12 @@ Forms (chosen per tensor by `choose`, from its GGUF type):
   Int4  Q4_0 / Q4_1 / Q4_K: 4-bit codes with a per-32 scale and zero point, in torch's packed
         layout for its int4 weight-only GEMM (kvcli/cache/int4_gemm.py): W = (q - 8) d + z.
   Int8  Q8_0: int8 codes (N, K) and the f16 block scales (N, K / 32): W = d q.
+  Blocks (CUDA) the same types as blocks of 32 in ggml's order with f16 scale and min, for the Triton
+        decode kernel (kvcli/kernels/weights.py): int4_cuda (Q4_*) and int8_cuda (Q8_0).
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor.
-A decode step (few rows) multiplies the codes; a prefill batch dequantizes to f32 and runs an
-f32 GEMM (CPU int4/int8 kernels are GEMVs at heart; figures in benchmarks/README.md).
+A decode step (few rows) multiplies the codes; a prefill batch dequantizes (to f32 on CPU, in slabs
+to the compute dtype on CUDA) and runs a GEMM (CPU int4/int8 kernels are GEMVs at heart; figures in
+benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from kvcli.attention import use_triton
 from kvcli.cache.int4_gemm import GROUP, pack_pairs, tile_width, unpack_pairs
 
 # Rows above which a product dequantizes to f32 and runs a GEMM: a CPU multiplies one row by
@@ -35,6 +39,9 @@ def _rows(x: torch.Tensor) -> int:
 
 # Output rows dequantized at a time when a batch multiplies an int8 matrix (4096 x 576 f32: 9 MB).
 SLAB_ROWS = 4096
+# Rows up to which a CUDA product of Blocks runs the Triton kernel on the codes (decode: each row is
+# a pass over the decoded tile in registers); a larger batch dequantizes slabs for torch's GEMM.
+KERNEL_ROWS = 16
 
 
 class Dense:
@@ -200,6 +207,66 @@ class Int8:
         return Int8(self.qb[:, start : start + n], self.d[start : start + n])
 
 
+class Blocks:
+    """W (N, K) = q * scale + min per 32 columns, in the layout of the Triton decode kernel (CUDA):
+
+    bits 4 (Q4_0 / Q4_1 / Q4_K): codes (N, K / 2) uint8, byte 16 b + j of a row holding element
+      32 b + j in its low nibble and 32 b + 16 + j in its high one (Q4_0's own order), q 0..15;
+      W = (q - 8) d (Q4_0: min -8 d), d q + m (Q4_1), d sc q - dmin m (Q4_K);
+    bits 8 (Q8_0): codes (N, K) int8, min None: W = d q.
+    scale, min (N, K / 32) f16: Q4_0, Q4_1 and Q8_0 exactly, Q4_K's products d sc, dmin m rounded
+    once. Up to KERNEL_ROWS rows multiply the codes on CUDA (kvcli.kernels.weights); more, and where
+    the kernels are off, slabs of W are dequantized to `dtype` for torch's GEMM."""
+
+    def __init__(self, codes: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None, bits: int,
+                 dtype: torch.dtype = torch.float32):
+        self.codes, self.scale, self.min, self.bits, self.dtype = codes, scale, min_, bits, dtype
+        self.kind = self.name = f"int{bits}_cuda"
+
+    @classmethod
+    def int4(cls, codes: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype=torch.float32) -> Blocks:
+        """codes (N, K) uint8 0..15, scale and min (N, K / 32) f16 -> the packed form."""
+        c = codes.unflatten(1, (-1, 2, GROUP // 2))  # (N, K / 32, 2, 16): a block's halves
+        return cls((c[:, :, 0] | c[:, :, 1] << 4).flatten(1), scale, min_, 4, dtype)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.codes.shape[0], self.codes.shape[1] * 8 // self.bits
+
+    @property
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min) if t is not None)
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        N, K = self.shape
+        if _rows(x) <= KERNEL_ROWS and use_triton(x):
+            from kvcli.kernels.weights import weight_matmul
+
+            y = weight_matmul(x.reshape(-1, K), self.codes, self.scale, self.min, self.bits)
+            return y.view(*x.shape[:-1], N)
+        xd = x.to(self.dtype)
+        return torch.cat([F.linear(xd, self.rows(slice(s, s + SLAB_ROWS)).to(self.dtype))
+                          for s in range(0, N, SLAB_ROWS)], -1).float()
+
+    def rows(self, ids) -> torch.Tensor:
+        """Rows `ids` (an index tensor of any shape, or a slice) -> (..., K) f32: only those dequantized."""
+        c = self.codes[ids]
+        q = unpack_pairs(c.unflatten(-1, (-1, GROUP // 2))) if self.bits == 4 else c.unflatten(-1, (-1, GROUP))
+        w = q.float() * self.scale[ids].float()[..., None]  # (..., K / 32, 32)
+        return (w if self.min is None else w + self.min[ids].float()[..., None]).flatten(-2)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.rows(slice(None))
+
+    def narrow(self, start: int, n: int) -> Blocks:
+        part = lambda t: None if t is None else t[start : start + n]
+        return Blocks(part(self.codes), part(self.scale), part(self.min), self.bits, self.dtype)
+
+    def to(self, device) -> Blocks:
+        move = lambda t: None if t is None else t.to(device)
+        return Blocks(move(self.codes), move(self.scale), move(self.min), self.bits, self.dtype)
+
+
 class Rows:
     """Rows start..start+n-1 of a form that cannot be sliced in place (a packed tile split)."""
 
@@ -259,13 +326,18 @@ class Concat:
 
 
 def cat(forms: list):
-    """Forms stacked along N as one form: in place where all are Dense of one dtype, Int8, or Int4
-    of whole tiles (one product for fused q/k/v and gate/up); a Concat of separate products otherwise."""
+    """Forms stacked along N as one form: in place where all are Dense of one dtype, Int8, Blocks of
+    one kind, or Int4 of whole tiles (one product for fused q/k/v and gate/up); a Concat of separate
+    products otherwise."""
     kinds = {type(f) for f in forms}
     if kinds == {Dense} and len({f.w.dtype for f in forms}) == 1:
         return Dense(torch.cat([f.w for f in forms]))
     if kinds == {Int8}:
         return Int8(torch.cat([f.qb for f in forms], 1), torch.cat([f.d for f in forms]))
+    if kinds == {Blocks} and len({(f.bits, f.min is None, f.dtype) for f in forms}) == 1:
+        join = lambda ts: None if ts[0] is None else torch.cat(ts)
+        return Blocks(join([f.codes for f in forms]), join([f.scale for f in forms]), join([f.min for f in forms]),
+                      forms[0].bits, forms[0].dtype)
     if kinds == {Int4} and all(f.n == f.packed.shape[0] for f in forms[:-1]):
         return Int4(torch.cat([f.packed for f in forms]), torch.cat([f.sz for f in forms], 1),
                     sum(f.n for f in forms))
@@ -275,11 +347,15 @@ def cat(forms: list):
 # ---- from the GGUF file ----
 
 def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
-    """The form a matrix of `ggml_type` is kept in: 'int4', 'int8', or a dense dtype name.
+    """The form a matrix of `ggml_type` is kept in: 'int4', 'int8' (CPU), 'int4_cuda', 'int8_cuda'
+    (CUDA: Blocks), or a dense dtype name.
 
-    weights: native (packed where torch's CPU kernel fits, else dense at the compute dtype), f16, f32."""
+    weights: native (packed where torch's CPU kernel or the Triton kernel fits, else dense at the
+    compute dtype), f16, f32."""
     if weights != "native":
         return weights
+    if device == "cuda" and ggml_type in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
+        return "int8_cuda" if ggml_type == "Q8_0" else "int4_cuda"
     if device == "cpu" and tile_width() is not None:
         if ggml_type in ("Q4_0", "Q4_1", "Q4_K"):
             return "int4"
@@ -295,6 +371,10 @@ def resident_bytes(form: str, n: int, k: int) -> int:
         return n_pad * k // 2 + n_pad * (k // GROUP) * 4
     if form == "int8":
         return n * k + n * (k // GROUP) * 4
+    if form == "int4_cuda":  # codes, f16 scale and min
+        return n * k // 2 + n * (k // GROUP) * 4
+    if form == "int8_cuda":  # codes, f16 scale
+        return n * k + n * (k // GROUP) * 2
     return n * k * _DENSE[form].itemsize
 
 
@@ -320,11 +400,11 @@ def _check_finite(name: str, *scales: torch.Tensor) -> None:
 
 
 def _q4_k(name: str, b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Q4_K super-blocks (N, K / 256) -> codes (N, K) uint8 0..15, scale and zero (N, K / 32) f32.
+    """Q4_K super-blocks (N, K / 256) -> codes (N, K) uint8 0..15, scale and min (N, K / 32) f32.
 
     A super-block: f16 d and dmin, 12 bytes of 6-bit scales sc and mins m for its 8 sub-blocks of
     32, 128 bytes of codes (bytes 32c..32c+31: sub-block 2c in the low nibbles, 2c + 1 in the
-    high); w = d sc q - dmin m = d sc (q - 8) + (8 d sc - dmin m) (llama.cpp's dequantize_row_q4_K)."""
+    high); w = d sc q - dmin m: scale d sc, min -dmin m (llama.cpp's dequantize_row_q4_K)."""
     N = len(b)
     d, dmin = (torch.from_numpy(b[f].astype(np.float32)) for f in ("d", "dmin"))  # (N, K / 256)
     _check_finite(name, d, dmin)
@@ -335,29 +415,66 @@ def _q4_k(name: str, b: np.ndarray) -> tuple[torch.Tensor, torch.Tensor, torch.T
     sc = torch.from_numpy(np.concatenate([lo & 63, (hi & 15) | (lo >> 6) << 4], -1).astype(np.float32))
     m = torch.from_numpy(np.concatenate([mid & 63, (hi >> 4) | (mid >> 6) << 4], -1).astype(np.float32))
     scale = (d[..., None] * sc).view(N, -1)  # (N, K / 32), exact in f32 (11-bit d times 6-bit sc)
-    zero = 8 * scale - (dmin[..., None] * m).view(N, -1)
+    min_ = -(dmin[..., None] * m).view(N, -1)
     qs = b["qs"].reshape(N, -1, 4, 32)  # a view over the file
     codes = np.empty((N, qs.shape[1], 4, 2, 32), np.uint8)  # the one copy: no nibble temporaries
     np.bitwise_and(qs, 15, out=codes[..., 0, :])
     np.right_shift(qs, 4, out=codes[..., 1, :])
-    return torch.from_numpy(codes.reshape(N, -1)), scale, zero
+    return torch.from_numpy(codes.reshape(N, -1)), scale, min_
 
 
-def load(tensor, form: str):
+def _half(name: str, *ts: torch.Tensor) -> list[torch.Tensor]:
+    """f32 scales -> f16 (Blocks'), refusing any that f16 cannot hold (it would turn them to Inf)."""
+    from kvcli.errors import KvcliError
+
+    out = [t.half() for t in ts]
+    if not all(torch.isfinite(t).all() for t in out):
+        raise KvcliError(f"tensor {name} has block scales beyond f16's range, which the CUDA form keeps; "
+                         f"load it with --weights f32")
+    return out
+
+
+def random_int4(form: str, n: int, k: int, generator: torch.Generator, dtype: str = "f32", std: float = 0.02):
+    """A random (n, k) matrix in form 'int4' or 'int4_cuda' (a synthetic model's, made on the generator's
+    device): uniform random bytes (uniform codes in any layout: no packing), one scale s and a zero
+    point centring them, W uniform over 16 levels (q - 7.5) s of mean 0 and standard deviation `std`."""
+    s = std / (255 / 12) ** 0.5  # the standard deviation of q - 7.5, q uniform 0..15
+    dev = generator.device
+    if form == "int4":
+        n_pad = n + (-n % tile_width())
+        packed = torch.randint(0, 256, (n_pad, k // 2), generator=generator, dtype=torch.uint8, device=dev)
+        sz = torch.tensor([s, s / 2]).bfloat16().expand(k // GROUP, n_pad, 2).contiguous()  # (q - 8) s + s / 2
+        return Int4(packed, sz, n)
+    codes = torch.randint(0, 256, (n, k // 2), generator=generator, dtype=torch.uint8, device=dev)
+    scale = torch.full((n, k // GROUP), s, dtype=torch.float16, device=dev)
+    return Blocks(codes, scale, -7.5 * scale, 4, _DENSE[dtype])
+
+
+def load(tensor, form: str, dtype: str = "f32"):
     """A gguf.ReaderTensor (over the memory map) -> its resident form, holding one tensor's copy at most.
+    dtype: the GEMM dtype of Blocks' batches (the compute dtype).
 
     ggml blocks of 32: Q4_0 = f16 d, 16 bytes of codes (element j in the low nibble of byte j,
     j + 16 in the high one), w = d (q - 8); Q4_1 = f16 d, f16 m, 16 bytes, w = d q + m =
     d (q - 8) + (m + 8 d); Q8_0 = f16 d, 32 int8, w = d q. Q4_K: see _q4_k."""
     from kvcli.gguf_file import dequantize
 
-    if form == "int4" and tensor.tensor_type.name == "Q4_K":
-        return Int4.from_codes(*_q4_k(tensor.name, _blocks(tensor)))
-    if form in ("int4", "int8"):
+    if form in ("int4", "int4_cuda") and tensor.tensor_type.name == "Q4_K":
+        codes, scale, min_ = _q4_k(tensor.name, _blocks(tensor))
+        if form == "int4":
+            return Int4.from_codes(codes, scale, 8 * scale + min_)  # zero point of (q - 8): min + 8 scale
+        return Blocks.int4(codes, *_half(tensor.name, scale, min_), _DENSE[dtype])
+    if form in ("int4", "int8", "int4_cuda", "int8_cuda"):
         b = _blocks(tensor)
         d = torch.from_numpy(b["d"].astype(np.float32))  # (N, K / 32)
         m = torch.from_numpy(b["m"].astype(np.float32)) if "m" in b.dtype.names else None  # Q4_1's min
         _check_finite(tensor.name, d, *([] if m is None else [m]))
+    if form == "int4_cuda":  # Q4_0 / Q4_1's codes are already in Blocks' order: one copy
+        codes = torch.from_numpy(np.ascontiguousarray(b["qs"]).reshape(len(b), -1))  # (N, K / 2)
+        return Blocks(codes, *_half(tensor.name, d, -8 * d if m is None else m), 4, _DENSE[dtype])
+    if form == "int8_cuda":
+        codes = torch.from_numpy(np.ascontiguousarray(b["qs"]).reshape(len(b), -1))  # (N, K) int8
+        return Blocks(codes, d.half(), None, 8, _DENSE[dtype])
     if form == "int4":
         qs = b["qs"]  # (N, K / 32, 16): element j in the low nibble of byte j, j + 16 in the high one
         codes = torch.from_numpy(np.concatenate([qs & 15, qs >> 4], -1).reshape(len(qs), -1))  # (N, K) 0..15
