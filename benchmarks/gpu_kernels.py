@@ -55,16 +55,10 @@ def check(types) -> bool:
 
 
 def timed(fn, reps: int = 50) -> float:
-    for _ in range(5):
-        fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(reps):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / reps / 1e3  # seconds per call
+    """Seconds per call on the GPU (gpu_weights.timed: CUDA events after a warm-up)."""
+    from gpu_weights import timed as timed_on  # benchmarks/ is the script's folder, so on the path
+
+    return timed_on(fn, True, reps)
 
 
 def bench(types, depths) -> None:
