@@ -116,9 +116,11 @@ class Tokenizer:
         self._always = [i for i, t in enumerate(self.types) if t == USER_DEFINED and self.tokens[i]]
         self._special = [i for i, t in enumerate(self.types) if t in (CONTROL, UNKNOWN) and self.tokens[i]]
         if spm:
-            types = list(self.types)
-            if UNKNOWN not in types:  # sentencepiece refuses a model without exactly one unknown piece
-                types[_token_id(meta, "unknown_token_id", 0, n) or 0] = UNKNOWN
+            # llama.cpp's SPM merges into any piece whatever its type (and keeps unused ones whole, which
+            # sentencepiece splits again), so sentencepiece sees every piece as normal but the byte pieces
+            # (its byte fallback) and the one unknown piece it requires (phi-3 has 53 unknown-typed ones).
+            types = [BYTE if t == BYTE else NORMAL for t in self.types]
+            types[_token_id(meta, "unknown_token_id", 0, n) or 0] = UNKNOWN
             import sentencepiece
 
             scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
