@@ -3,10 +3,11 @@
 Before BPE, llama.cpp cuts the text into words with a list of regexes chosen by the file's
 ``tokenizer.ggml.pre`` name; each regex splits the pieces the previous one left, keeping both
 the matches and the text between them (llama-vocab.cpp, llm_tokenizer_bpe and
-llama_vocab::impl::load). The regexes below are llama.cpp's, verbatim. `for_onig` rewrites the
-few constructs that HF tokenizers' regex engine (Oniguruma) reads differently from llama.cpp,
-which runs them through std::regex on text collapsed to one character per Unicode category
-(unicode.cpp, unicode_regex_split) or through hand-written matchers for the common ones.
+llama_vocab::impl::load). The regexes below are llama.cpp's, verbatim (CR and LF written as
+escapes). `for_onig` rewrites the few constructs that HF tokenizers' regex engine (Oniguruma)
+reads differently from llama.cpp, which runs them through std::regex on text collapsed to one
+character per Unicode category (unicode.cpp, unicode_regex_split), or through hand-written
+matchers for the common ones.
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ _DIGIT_GROUPS = ("needs llama.cpp's hand-written digit splitter (it also joins t
                  "the number's first digits)")
 REFUSED: dict[str, str] = {
     "gemma4": _NOT_BYTE_LEVEL, "granite-embed-multi-311m": _NOT_BYTE_LEVEL, "sarvam-moe": _NOT_BYTE_LEVEL,
-    "mmbert": _NOT_BYTE_LEVEL + " with a word-piece prefix",
+    "mmbert": _NOT_BYTE_LEVEL + " (and splits words at each space)",
     "whitespace": "splits on whitespace only and is not byte-level BPE",
     "kimi-k2": "needs llama.cpp's hand-written Kimi-K2 splitter (letter classes that exclude Han characters)",
     "afmoe": _DIGIT_GROUPS, "tiny_aya": _DIGIT_GROUPS, "cohere2moe": _DIGIT_GROUPS,
@@ -136,6 +137,9 @@ def pre_tokenizer(name: str) -> PreTokenizer:
     return PRE_TOKENIZERS[name]
 
 
+_WHITESPACE = "\x85\xa0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"  # Unicode's, beyond ASCII
+
+
 def for_onig(regex: str) -> str:
     """`regex` as Oniguruma must read it to split text where llama.cpp does."""
     # llama.cpp matches this one by hand (unicode_regex_split_custom_gpt2), which ends a run of
@@ -147,4 +151,8 @@ def for_onig(regex: str) -> str:
     # std::regex's \d is ASCII only, Oniguruma's is any decimal digit; its $ is the end of the piece
     # (Oniguruma's also matches before a newline).
     regex = regex.replace(r"\d", "[0-9]")
+    # llama.cpp hands std::regex non-ASCII whitespace as \v (its \s knows only ASCII), so a class such
+    # as deepseek's [ࠀ-一] matches U+3000 only through \s: take that whitespace out of such classes.
+    regex = re.sub(r"(?<!\\)\[(?!\^)((?:[^\]\\]|\\.)*)\]",
+                   lambda m: f"[{m[1]}&&[^{_WHITESPACE}]]" if re.search(r"[^\x00-\x7f]", m[1]) else m[0], regex)
     return regex[:-1] + r"\z" if regex.endswith("$") else regex
