@@ -6,7 +6,7 @@ Two vocabulary kinds are supported (``tokenizer.ggml.model``):
   ``sentencepiece``. llama.cpp does no normalisation of its own beyond ``' '`` -> ``'▁'`` and a space
   prefix, so we do exactly that here and give SentencePiece an identity normaliser.
 * ``gpt2`` (byte-level BPE): a ``tokenizers`` BPE model whose pre-tokenizer replays, in order, the
-  regexes llama.cpp applies for the file's ``tokenizer.ggml.pre`` name.
+  regexes llama.cpp applies for the file's ``tokenizer.ggml.pre`` name (kvcli/pretokenizers.py).
 
 Special tokens follow llama.cpp: user-defined tokens (type 4) are always matched whole in the text,
 control tokens (type 3) only with ``parse_special=True``. Decoding goes through ``token_to_bytes`` so
@@ -23,36 +23,10 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from kvcli.errors import KvcliError
+from kvcli.pretokenizers import for_onig, pre_tokenizer
 
 # ggml token types (llama.cpp's llama_token_type); SentencePiece's piece types use the same numbers.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
-
-# llama.cpp's pre-tokenizer regexes (llama_vocab regex_exprs), applied one after the other. The GPT-2
-# one ends in "|\s+" here: llama.cpp runs that string through a hand-written matcher
-# (unicode_regex_split_custom_gpt2) that falls back to \s+, as GPT-2's original regex does.
-_GPT2 = r"'s|'t|'re|'ve|'m|'ll|'d| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"
-_LLAMA3 = (r"(?:'[sS]|'[tT]|'[rR][eE]|'[vV][eE]|'[mM]|'[lL][lL]|'[dD])|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
-           r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+")
-_QWEN2 = _LLAMA3.replace(r"\p{N}{1,3}", r"\p{N}")
-_DEFAULT = [r"[\p{P}\$\+<=>\^~\|]+", _GPT2, r"\p{N}+", r"[0-9][0-9][0-9]"]
-_FALCON = [r"[\p{P}\$\+<=>\^~\|`]+", _GPT2, r"[0-9][0-9][0-9]"]
-
-# name -> (regexes, ignore_merges, add_bos default). llama-bpe & co. look a whole word up in the
-# vocabulary before merging (llama.cpp's ignore_merges) and add BOS unless the file says otherwise.
-_PRE: dict[str, tuple[list[str], bool, bool]] = {}
-for _names, _spec in [
-    (["default"], (_DEFAULT, False, False)),
-    (["llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"],
-     ([_LLAMA3], True, True)),
-    (["dbrx", "smaug-bpe", "chatglm-bpe"], ([_LLAMA3], False, False)),
-    (["smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"],
-     ([r"\p{N}", _GPT2], False, False)),
-    (["gpt-2", "phi-2", "mpt", "olmo", "jais", "exaone4", "trillion", "granite-docling"], ([_GPT2], False, False)),
-    (["qwen2", "deepseek-r1-qwen", "megrez", "stablelm2", "hunyuan", "grok-2"], ([_QWEN2], False, False)),
-    (["falcon"], (_FALCON, False, False)),
-]:
-    _PRE.update(dict.fromkeys(_names, _spec))
-del _names, _spec
 
 # Token texts llama.cpp treats as end-of-generation (special_eog_ids), plus the FIM pad/repo/sep
 # tokens it also adds there. (Its EOT auto-detection by text only finds texts already listed here.)
@@ -142,9 +116,11 @@ class Tokenizer:
         self._always = [i for i, t in enumerate(self.types) if t == USER_DEFINED and self.tokens[i]]
         self._special = [i for i, t in enumerate(self.types) if t in (CONTROL, UNKNOWN) and self.tokens[i]]
         if spm:
-            types = list(self.types)
-            if UNKNOWN not in types:  # sentencepiece refuses a model without exactly one unknown piece
-                types[_token_id(meta, "unknown_token_id", 0, n) or 0] = UNKNOWN
+            # llama.cpp's SPM merges into any piece whatever its type (and keeps unused ones whole, which
+            # sentencepiece splits again), so sentencepiece sees every piece as normal but the byte pieces
+            # (its byte fallback) and the one unknown piece it requires (phi-3 has 53 unknown-typed ones).
+            types = [BYTE if t == BYTE else NORMAL for t in self.types]
+            types[_token_id(meta, "unknown_token_id", 0, n) or 0] = UNKNOWN
             import sentencepiece
 
             scores = meta.get("tokenizer.ggml.scores") or [0.0] * n
@@ -156,12 +132,10 @@ class Tokenizer:
             self._split = {ps: self._splitter(self._always + (self._special if ps else [])) for ps in (False, True)}
             default_bos = True
         else:
-            pre = meta.get("tokenizer.ggml.pre") or "default"
-            if pre not in _PRE:
-                raise KvcliError(f"unknown tokenizer.ggml.pre {pre!r}; supported: {', '.join(sorted(_PRE))}")
-            regexes, ignore_merges, default_bos = _PRE[pre]
+            pre = pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default")
+            default_bos = pre.add_bos
             try:
-                self._hf = self._build_bpe(meta, regexes, ignore_merges)
+                self._hf = self._build_bpe(meta, [for_onig(r) for r in pre.regexes], pre.ignore_merges)
             except Exception as e:  # the tokenizers library raises plain Exception on a bad vocab or merge
                 raise KvcliError(f"bad BPE vocabulary or merges in GGUF metadata: {str(e)[:100]}") from None
         self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
