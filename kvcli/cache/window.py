@@ -49,6 +49,6 @@ class Ring:
         ring[:, :, self._slots(keep, pos + T)] = new[:, :, keep - pos :]
         m = pos + T - N - a  # positions a..pos+T-N-1 leave (their slots now hold new ones)
         self.held[layer] = (max(a, pos + T - N), pos + T)
-        leaving = span[:, :, :m].float().transpose(1, 2) if m > 0 else None
+        leaving = span[:, :, :m].transpose(1, 2).contiguous().float() if m > 0 else None
         r0 = max(a, pos - N + 1)
         return leaving, a, span[:, :, r0 - a :].float(), r0
