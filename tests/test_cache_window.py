@@ -89,7 +89,7 @@ def test_no_window_writes_each_batch_as_it_comes():
     calls = []
     _spy(cache, calls)
     k = _vectors(12, 3)
-    assert cache.store(0, k, k, 0) is None and not cache.rings
+    assert cache.store(0, k, k, 0) is None and cache.rings == ()
     assert [(start, x.shape[1]) for _, start, x in calls] == [(0, 12)] and torch.equal(calls[0][2], k)
 
 

@@ -150,7 +150,8 @@ class KVCache:
         self.k = resolve_type(type_k)(*shape, device=device, keys=True)
         self.v = resolve_type(type_v)(*shape, device=device)
         self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
-        self.rings = [Ring(n_layers, batch, n_kv_heads, window, head_dim, device) for _ in "kv"] if window else []
+        ring = (n_layers, batch, n_kv_heads, window, head_dim, device)
+        self.rings = (Ring(*ring), Ring(*ring)) if window else ()  # K's and V's f16 windows
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> Recent | None:
         """The new K/V (B, T, Hkv, D) at positions pos..pos+T-1. With a window, only the positions leaving
@@ -160,8 +161,9 @@ class KVCache:
         if not self.window:
             self._write(layer, k, v, pos)
             return None
-        (k_out, a, k_recent, r0), (v_out, _, v_recent, _) = (ring.push(layer, x, pos)
-                                                              for ring, x in zip(self.rings, (k, v)))
+        ring_k, ring_v = self.rings
+        k_out, a, k_recent, r0 = ring_k.push(layer, k, pos)
+        v_out, _, v_recent, _ = ring_v.push(layer, v, pos)
         if k_out is not None:
             self._write(layer, k_out, v_out, a)
         return Recent(k_recent, v_recent, r0, self.window)
