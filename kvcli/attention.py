@@ -164,7 +164,9 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool =
     elif not flash or last <= chunk:  # materialized scores (-fa off, or one chunk and the window), V by part
         ss = [s() for s, _ in parts]
         p = torch.softmax(torch.cat(ss, -1), -1).split([x.shape[-1] for x in ss], -1)
-        out = sum(weighted_sum(pi) for (_, weighted_sum), pi in zip(parts, p))
+        out = parts[0][1](p[0])
+        for (_, weighted_sum), pi in zip(parts[1:], p[1:]):
+            out = out + weighted_sum(pi)
     else:
         m = torch.full((B, Hkv, G * T, 1), float("-inf"), device=q.device)
         l = torch.zeros((B, Hkv, G * T, 1), device=q.device)

@@ -89,7 +89,7 @@ def test_no_window_writes_each_batch_as_it_comes():
     calls = []
     _spy(cache, calls)
     k = _vectors(12, 3)
-    assert cache.store(0, k, k, 0) is None and cache.rings == ()
+    assert cache.store(0, k, k, 0) is None and cache.ring is None
     assert [(start, x.shape[1]) for _, start, x in calls] == [(0, 12)] and torch.equal(calls[0][2], k)
 
 
@@ -215,7 +215,7 @@ def test_bytes_count_the_window(tiny64):
     L, n_ctx, N, kv = 3, 100, 16, HKV * D
     cache = KVCache(L, B, HKV, n_ctx, D, "q4_0", "q8_0", window=N)
     ring = 2 * L * B * N * kv * 2  # K and V, f16
-    assert cache.window_nbytes() == ring == 2 * Ring.nbytes_for(L, B, kv, N)
+    assert cache.window_nbytes() == ring == Ring.nbytes_for(L, B, 2 * kv, N)
     assert cache.nbytes() == cache.k.nbytes() + cache.v.nbytes() + ring
     config = SimpleNamespace(n_layers=L, n_kv_heads=HKV, head_dim=D, kv_dim=kv, n_embd=2 * kv)
     assert cache_bytes(config, CacheSpec("kv", "q4_0", "q8_0", window=N), n_ctx, B) == cache.nbytes()

@@ -150,8 +150,8 @@ class KVCache:
         self.k = resolve_type(type_k)(*shape, device=device, keys=True)
         self.v = resolve_type(type_v)(*shape, device=device)
         self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
-        ring = (n_layers, batch, n_kv_heads, window, head_dim, device)
-        self.rings = (Ring(*ring), Ring(*ring)) if window else ()  # K's and V's f16 windows
+        # K's and V's f16 windows, their heads side by side: (L, B, 2 Hkv, N, D)
+        self.ring = Ring(n_layers, batch, 2 * n_kv_heads, window, head_dim, device) if window else None
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> Recent | None:
         """The new K/V (B, T, Hkv, D) at positions pos..pos+T-1. With a window, only the positions leaving
@@ -161,12 +161,11 @@ class KVCache:
         if not self.window:
             self._write(layer, k, v, pos)
             return None
-        ring_k, ring_v = self.rings
-        k_out, a, k_recent, r0 = ring_k.push(layer, k, pos)
-        v_out, _, v_recent, _ = ring_v.push(layer, v, pos)
-        if k_out is not None:
-            self._write(layer, k_out, v_out, a)
-        return Recent(k_recent, v_recent, r0, self.window)
+        Hkv = k.shape[2]
+        leaving, a, recent, r0 = self.ring.push(layer, torch.cat([k, v], 2), pos)
+        if leaving is not None:
+            self._write(layer, leaving[:, :, :Hkv], leaving[:, :, Hkv:], a)
+        return Recent(recent[:, :Hkv], recent[:, Hkv:], r0, self.window)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
         if type(self.k) is type(self.v):
@@ -183,7 +182,7 @@ class KVCache:
         return self.attend(q, self, layer, pos, recent)
 
     def window_nbytes(self) -> int:
-        return sum(ring.nbytes() for ring in self.rings)
+        return self.ring.nbytes() if self.ring else 0
 
     def nbytes(self) -> int:
         return self.k.nbytes() + self.v.nbytes() + self.window_nbytes()
@@ -201,4 +200,4 @@ class KVCache:
     def bytes_needed(n_layers: int, batch: int, kv_dim: int, n_ctx: int, type_k: str, type_v: str,
                      window: int = 0) -> int:
         return (sum(resolve_type(t).nbytes_for(n_layers, batch, kv_dim, n_ctx) for t in (type_k, type_v))
-                + 2 * Ring.nbytes_for(n_layers, batch, kv_dim, window))
+                + Ring.nbytes_for(n_layers, batch, 2 * kv_dim, window))

@@ -18,7 +18,8 @@ import torch
 
 
 class Ring:
-    """One tensor family's window: (L, B, H, N, D) f16, position p in slot p % N."""
+    """One window: (L, B, H, N, D) f16, position p in slot p % N. The KV cache keeps K's and V's heads
+    side by side in one (H = 2 Hkv: one write per layer), the hidden-state cache x's."""
 
     def __init__(self, n_layers: int, batch: int, n_heads: int, size: int, head_dim: int, device: str = "cpu"):
         self.size = size
@@ -33,8 +34,12 @@ class Ring:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
-    def _slots(self, start: int, end: int) -> torch.Tensor:
-        return torch.arange(start, end, device=self.data.device) % self.size
+    def _slots(self, start: int, end: int) -> list[tuple[int, int]]:
+        """The slot ranges of positions start..end-1 (at most N of them), in order: one, or two where they wrap."""
+        s, n = start % self.size, end - start
+        if s + n <= self.size:
+            return [(s, s + n)] if n else []
+        return [(s, self.size), (0, s + n - self.size)]
 
     def push(self, layer: int, x: torch.Tensor, pos: int) -> tuple[torch.Tensor | None, int, torch.Tensor, int]:
         """Write x (B, T, H, D), positions pos..pos+T-1 -> (leaving, a, recent, r0):
@@ -44,11 +49,14 @@ class Ring:
         lo, hi = self.held[layer]
         a = min(pos, max(lo, pos - N)) if pos <= hi else pos  # positions a..pos-1 are read from here
         new = x.transpose(1, 2).to(torch.float16)  # (B, H, T, D)
-        span = torch.cat([ring[:, :, self._slots(a, pos)], new], 2)  # positions a..pos+T-1
+        span = torch.cat([ring[:, :, s0:s1] for s0, s1 in self._slots(a, pos)] + [new], 2).float()  # a..pos+T-1
         keep = max(pos, pos + T - N)  # the newest N positions stay
-        ring[:, :, self._slots(keep, pos + T)] = new[:, :, keep - pos :]
+        i = keep - pos
+        for s0, s1 in self._slots(keep, pos + T):
+            ring[:, :, s0:s1] = new[:, :, i : i + s1 - s0]
+            i += s1 - s0
         m = pos + T - N - a  # positions a..pos+T-N-1 leave (their slots now hold new ones)
         self.held[layer] = (max(a, pos + T - N), pos + T)
-        leaving = span[:, :, :m].transpose(1, 2).contiguous().float() if m > 0 else None
+        leaving = span[:, :, :m].transpose(1, 2).contiguous() if m > 0 else None
         r0 = max(a, pos - N + 1)
-        return leaving, a, span[:, :, r0 - a :].float(), r0
+        return leaving, a, span[:, :, r0 - a :], r0
