@@ -1,6 +1,6 @@
 """The recent window: each layer's newest N positions kept in f16 beside a quantized store, and
 quantized into it only when they leave (KIVI's residual, arXiv 2402.02750). Written once here for
-every storage type: a KVCache holds a Ring for K and one for V, a HiddenCache one for x.
+every storage type: a KVCache holds one Ring for K and V, a HiddenCache one for x.
 
 The query at position i reads positions i-N+1..i from the f16 copy and every older one from the
 store (kvcli/attention.py, `Recent`), so perplexity's batched prefill sees what decode sees. A
