@@ -2,6 +2,9 @@
 
     python benchmarks/cache_decode.py [-m MODEL] [--depth 4096] [--n 32] [--reps 3] [--types f16,q8_0,q4_0,q4_hadamard]
 
+A type may name its recent window as --sweep does (q4_hadamard@0,q4_hadamard@16); without @, the
+type's default window.
+
 Types are interleaved within each repetition so machine noise hits them alike; the best
 repetition per type is reported beside the mean, and the speed relative to f16 is the median
 of the per-repetition ratios (each taken from runs seconds apart, so the least noisy figure).
@@ -34,7 +37,11 @@ def main():
         torch.set_num_threads(a.threads)
     path = Path(a.model) if a.model else pull_default()
     types = a.types.split(",")
-    llms = {t: Llama(path, ctx_size=a.depth + a.n + 1, dtype=a.dtype, cache_type_k=t, cache_type_v=t) for t in types}
+    llms = {}
+    for t in types:
+        name, at, window = t.partition("@")
+        llms[t] = Llama(path, ctx_size=a.depth + a.n + 1, dtype=a.dtype, cache_type_k=name, cache_type_v=name,
+                        cache_window=int(window) if at else None)
     prompt = [(i * 7919) % 40000 + 100 for i in range(a.depth)]  # arbitrary ids: the speed does not care
     speeds: dict[str, list[float]] = {t: [] for t in types}
     for _ in range(a.reps):

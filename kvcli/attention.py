@@ -10,10 +10,14 @@ the V store's. The products q.K and p.V of a chunk are the stores' own (Store.sc
 Store.weighted_sum): q4_0 and q4_hadamard compute them for decode straight from their bytes
 (kvcli/cache/block_products.py, kvcli/cache/int4_gemm.py).
 
+With a recent window (kvcli/cache/window.py) the query at position i reads its newest positions
+(i-N+1..i) from the window's f16 copy, handed in as `Recent`, and only older ones from the store:
+per query row, so a batched prefill sees exactly what token-by-token decode would.
+
 This is the one dispatcher: `Attention` (the -fa choice) runs the Triton kernels (kvcli.kernels,
 a leaf fed tensors and each store's KernelLayout) where they cover the case on CUDA, and the
 PyTorch reference elsewhere, with the same result; `use_triton` is the switch the stores'
-quantize-on-write asks too.
+quantize-on-write asks too. The kernels know no window: with one, CUDA runs the reference too.
 """
 
 from __future__ import annotations
@@ -39,23 +43,36 @@ def use_triton(t: torch.Tensor) -> bool:
 
 
 @dataclass(frozen=True)
+class Recent:
+    """A batch's f16 window (kvcli/cache/window.py), as attention reads it: k and v (B, Hkv, n, D) f32
+    of positions start..start+n-1 (the batch's last position is start+n-1), in the model's space. The
+    query at position i reads positions max(i - size + 1, start)..i from here, older ones from the store."""
+
+    k: torch.Tensor
+    v: torch.Tensor
+    start: int
+    size: int
+
+
+@dataclass(frozen=True)
 class Attention:
     """How caches attend: flash on (online softmax over chunks, the kernels where they apply) or off
     (materialized scores, the reference's path on any device). Caches are built with one and call it."""
 
     flash: bool = True
 
-    def __call__(self, q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
-        """q (B, T, H, D) f32 at positions pos..pos+T-1 over a K/V cache -> (B, T, H * D) f32."""
-        if use_triton(q) and self.flash and kernel_covers(q, cache):
+    def __call__(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
+        """q (B, T, H, D) f32 at positions pos..pos+T-1 over a K/V cache -> (B, T, H * D) f32;
+        recent: the cache's f16 window for this batch, if it keeps one (the kernels do not read it)."""
+        if recent is None and use_triton(q) and self.flash and kernel_covers(q, cache):
             return attend_triton(q, cache, layer, pos)
-        return attend_reference(q, cache, layer, pos, flash=self.flash)
+        return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
 
-    def hidden(self, q: torch.Tensor, cache, layer: int, pos: int) -> torch.Tensor:
+    def hidden(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
         """The same over a hidden-state cache, whose K/V are rebuilt from the stored x."""
-        if use_triton(q) and self.flash and hidden_kernel_covers(q, cache):
+        if recent is None and use_triton(q) and self.flash and hidden_kernel_covers(q, cache):
             return attend_hidden_triton(q, cache, layer, pos)
-        return attend_reference(q, cache, layer, pos, flash=self.flash)
+        return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
 
 
 def kernel_covers(q: torch.Tensor, cache) -> bool:
@@ -94,7 +111,8 @@ def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch)
     return attend_hidden_kernel(q, cache.h.data[layer], block.wkv.w, cos, sin, pos, **launch)
 
 
-def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool = True) -> torch.Tensor:
+def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool = True,
+                     recent: Recent | None = None) -> torch.Tensor:
     B, T, H, D = q.shape
     Hkv = cache.k.n_heads
     G = H // Hkv
@@ -103,33 +121,63 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool =
     qg = cache.k.to_storage(qg) * (1.0 / math.sqrt(D))
     end = pos + T
     chunk = max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * D))
-    # Query row r sits at position pos + r % T; it may see keys j <= pos + r % T (a mask for T > 1 only).
-    q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None] if T > 1 else None  # (G*T, 1)
+    # Query row r sits at position i = pos + r % T and reads the store below lim_i: lim_i = i + 1 (causal)
+    # without a window, max(i - N + 1, recent.start) with one (the rest, up to i, from the window).
+    # first / last: lim of the batch's first and last position; the store is read below `last`.
+    if recent is None:
+        first, last = pos + 1, end
+    else:
+        first, last = max(pos - recent.size + 1, recent.start), max(end - recent.size, recent.start)
+    q_pos = lim = None
+    if T > 1:  # per-row limits, (G*T, 1): a mask for T > 1 only
+        q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]
+        lim = q_pos + 1 if recent is None else (q_pos - recent.size + 1).clamp_min(recent.start)
 
     def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, G*T, c1 - c0)
         s = cache.k.scores(layer, qg, c0, c1)
-        if c1 - 1 > pos:  # the chunk reaches this batch's own positions: causal mask
-            s = s.masked_fill(torch.arange(c0, c1, device=q.device) > q_pos, float("-inf"))
+        if c1 > first:  # the chunk reaches a row's limit: that row reads no further here
+            s = s.masked_fill(torch.arange(c0, c1, device=q.device) >= lim, float("-inf"))
         return s
 
-    if end <= chunk:  # one chunk: plain softmax, the common case
-        out = cache.v.weighted_sum(layer, torch.softmax(scores(0, end), dim=-1), 0, end)
-    elif not flash:  # materialized scores, V streamed
-        p = torch.softmax(torch.cat([scores(c0, min(c0 + chunk, end)) for c0 in range(0, end, chunk)], -1), -1)
-        out = sum(cache.v.weighted_sum(layer, p[..., c0 : c0 + chunk], c0, min(c0 + chunk, end))
-                  for c0 in range(0, end, chunk))
+    # (scores, p -> p . V) per part, in the order the softmax reads them: the window first (every row
+    # sees its own position there, so the online maximum is finite from the start), then store chunks.
+    parts = []
+    if recent is not None:
+        kw, vw = cache.k.to_storage(recent.k), cache.v.to_storage(recent.v)  # (B, Hkv, n, D) f32
+
+        def window_scores() -> torch.Tensor:  # (B, Hkv, G*T, n)
+            s = qg @ kw.transpose(-1, -2)
+            if T > 1:  # row r reads lim_r..its own position here
+                j = torch.arange(recent.start, recent.start + kw.shape[2], device=q.device)
+                s = s.masked_fill((j < lim) | (j > q_pos), float("-inf"))
+            return s
+
+        parts.append((window_scores, lambda p: p @ vw))
+    for c0 in range(0, last, chunk):
+        c1 = min(c0 + chunk, last)
+        parts.append((lambda c0=c0, c1=c1: scores(c0, c1),
+                      lambda p, c0=c0, c1=c1: cache.v.weighted_sum(layer, p, c0, c1)))
+
+    if len(parts) == 1:  # one chunk: plain softmax, the common case
+        s, weighted_sum = parts[0]
+        out = weighted_sum(torch.softmax(s(), dim=-1))
+    elif not flash or last <= chunk:  # materialized scores (-fa off, or one chunk and the window), V by part
+        ss = [s() for s, _ in parts]
+        p = torch.softmax(torch.cat(ss, -1), -1).split([x.shape[-1] for x in ss], -1)
+        out = parts[0][1](p[0])
+        for (_, weighted_sum), pi in zip(parts[1:], p[1:]):
+            out = out + weighted_sum(pi)
     else:
         m = torch.full((B, Hkv, G * T, 1), float("-inf"), device=q.device)
         l = torch.zeros((B, Hkv, G * T, 1), device=q.device)
         out = torch.zeros((B, Hkv, G * T, D), device=q.device)
-        for c0 in range(0, end, chunk):
-            c1 = min(c0 + chunk, end)
-            s = scores(c0, c1)
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: key 0 is visible to all
+        for s, weighted_sum in parts:
+            s = s()
+            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: every row sees a key in part 0
             p = torch.exp(s - m_new)
             scale = torch.exp(m - m_new)
             l = l * scale + p.sum(dim=-1, keepdim=True)
-            out = out * scale + cache.v.weighted_sum(layer, p, c0, c1)
+            out = out * scale + weighted_sum(p)
             m = m_new
         out = out / l
     out = cache.v.from_storage(out)

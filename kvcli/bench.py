@@ -15,7 +15,7 @@ import statistics
 import time
 from dataclasses import asdict, dataclass
 
-from kvcli.cache import resolve_type
+from kvcli.cache import CacheSpec, resolve_type
 from kvcli.memory import MIB
 
 
@@ -36,6 +36,7 @@ class BenchRow:
     std: float
     cache_mib: float
     synthetic: bool = False
+    window: int = 0  # the cache's recent window (kvcli/cache/window.py); its bytes are in cache_mib
 
 
 def split_list(value: str) -> list[str]:
@@ -83,42 +84,52 @@ def _time_case(llm, test: str, n: int, depth: int) -> float:
 
 
 def run_bench(make_llm, model_name: str, tests: list[tuple[str, int]], depths: list[int], combos, reps: int,
-              threads: int, backend: str, synthetic: bool = False, progress=None) -> list[BenchRow]:
+              threads: int, backend: str, synthetic: bool = False, progress=None,
+              windows: list[int | None] = (None,)) -> list[BenchRow]:
     """tests: ("pp", n) and ("tg", n) as llama-bench's -p and -n values (0 skips);
-    make_llm(ctx, mode, type_k, type_v, type_h, flash_attn) -> Llama, one per combination."""
+    make_llm(ctx, mode, type_k, type_v, type_h, flash_attn[, window=w]) -> Llama, one per combination and
+    window: windows are --cache-window's values (None: the types' default, window= not passed); one
+    that a combination would keep the same (dense types keep none) runs once."""
     rows = []
     ctx = max(depths) + max(n for _, n in tests) + 1
     for mode, tk, tv, th, fa in combos:
-        llm = make_llm(ctx, mode, tk if tk != "-" else "f16", tv if tv != "-" else "f16",
-                       th if th != "-" else "f16", fa != "off")
-        params = sum(t.numel() for t in llm.model.buffers()) / 1e6
-        for depth in depths:
-            for test, n in tests:
-                if n <= 0:
-                    continue
-                _time_case(llm, test, min(n, 16), 0)  # warm-up
-                speeds = [_time_case(llm, test, n, depth) for _ in range(reps)]
-                label = f"{test}{n}" + (f" @ d{depth}" if depth else "")
-                rows.append(BenchRow(model_name, params, backend, threads, mode, tk, tv, th, fa, label, depth,
-                                     statistics.mean(speeds), statistics.pstdev(speeds),
-                                     llm.cache.nbytes() / MIB, synthetic))
-                if progress:
-                    progress(rows[-1])
-        del llm
+        types = [t if t != "-" else "f16" for t in (tk, tv, th)]
+        done = set()
+        for w in windows:
+            if CacheSpec(mode, *types, w).window in done:
+                continue
+            llm = make_llm(ctx, mode, *types, fa != "off", **({} if w is None else {"window": w}))
+            done.add(llm.cache.window)
+            params = sum(t.numel() for t in llm.model.buffers()) / 1e6
+            for depth in depths:
+                for test, n in tests:
+                    if n <= 0:
+                        continue
+                    _time_case(llm, test, min(n, 16), 0)  # warm-up
+                    speeds = [_time_case(llm, test, n, depth) for _ in range(reps)]
+                    label = f"{test}{n}" + (f" @ d{depth}" if depth else "")
+                    rows.append(BenchRow(model_name, params, backend, threads, mode, tk, tv, th, fa, label, depth,
+                                         statistics.mean(speeds), statistics.pstdev(speeds),
+                                         llm.cache.nbytes() / MIB, synthetic, llm.cache.window))
+                    if progress:
+                        progress(rows[-1])
+            del llm
     return rows
 
 
-COLUMNS = ["model", "backend", "threads", "cache_mode", "type_k", "type_v", "type_h", "fa", "test", "t/s", "cache MiB"]
+COLUMNS = ["model", "backend", "threads", "cache_mode", "type_k", "type_v", "type_h", "window", "fa", "test", "t/s",
+           "cache MiB"]
 
 
 def _cells(r: BenchRow) -> list[str]:
     name = r.model + (" (synthetic)" if r.synthetic else "")
-    return [name, r.backend, str(r.threads), r.cache_mode, r.type_k, r.type_v, r.type_h, r.fa, r.test,
+    return [name, r.backend, str(r.threads), r.cache_mode, r.type_k, r.type_v, r.type_h, str(r.window), r.fa, r.test,
             f"{r.tokens_per_s:.2f} ± {r.std:.2f}", f"{r.cache_mib:.2f}"]
 
 
 def to_markdown(rows: list[BenchRow]) -> str:
-    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---:" if c in ("t/s", "cache MiB", "threads") else "---"
+    lines = ["| " + " | ".join(COLUMNS) + " |", "|" + "|".join("---:" if c in ("t/s", "cache MiB", "threads", "window")
+                                                             else "---"
                                                              for c in COLUMNS) + "|"]
     lines += ["| " + " | ".join(_cells(r)) + " |" for r in rows]
     return "\n".join(lines)

@@ -13,8 +13,8 @@ from typing import Optional
 import typer
 from rich.console import Console
 
-from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt,
-                              OneLineErrors, ThreadsOpt, cache_spec, ctx_option, log, parse_device,
+from kvcli.cli_common import (WINDOW_HELP, CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg,
+                              ModelOpt, OneLineErrors, ThreadsOpt, WindowOpt, cache_spec, ctx_option, log, parse_device,
                               parse_dtype, parse_flash_attn, parse_weights, WeightsOpt, parse_threads, process_escapes, read_prompt, resolve_model,
                               user_errors)
 from kvcli.commands.convert import convert_command
@@ -90,6 +90,7 @@ def run(
     cache_type_v: Optional[str] = CtvOpt,
     cache_mode: str = CacheModeOpt,
     cache_type_h: Optional[str] = CthOpt,
+    cache_window: Optional[int] = WindowOpt,
     flash_attn: str = FlashOpt,
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
@@ -100,7 +101,7 @@ def run(
     no prompt on a model that has a chat template, or with -cnv (then -p/-f is the system prompt).
     In the chat, Ctrl-C stops a reply, and Ctrl-C at the prompt or Ctrl-D ends it."""
     with user_errors():
-        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)  # bad flags fail before loading
+        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window)  # fail before loading
         threads = parse_threads(threads)
         fa = parse_flash_attn(flash_attn)
         device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
@@ -130,7 +131,8 @@ def run(
 
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
                     batch_size=batch_size, threads=threads, flash_attn=fa, log=log,
-                    cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights)
+                    cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
+                    cache_window=spec.window)
         c = llm.config
         log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
             f"{llm.n_ctx} ctx, {dtype} compute, {weights} weights {llm.model.weight_bytes() / MIB:.1f} MiB, loaded in {llm.load_seconds:.2f} s)")
@@ -166,7 +168,9 @@ def _rich_table(title: str, columns: list[str], rows: list[list[str]]):
 def info(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
          dtype: str = typer.Option("f16", "--dtype", help="Compute dtype the weight bytes are given for: f16, bf16 "
                                                           "or f32."),
-         weights: str = WeightsOpt):
+         weights: str = WeightsOpt,
+         cache_window: Optional[int] = typer.Option(None, "-cw", "--cache-window", min=0,
+                                                    help=WINDOW_HELP + " Applied to every choice.")):
     """Model metadata, weight types and bytes, and the cache bytes per token of every cache choice."""
     with user_errors():
         dtype, weights = parse_dtype(dtype), parse_weights(weights)
@@ -187,9 +191,10 @@ def info(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
                 for t, form, n, file, held in resident_table(g, dtype, weights)]
         out.print(_rich_table("resident weights per tensor type", ["type", "form", "tensors", "file MiB", "memory MiB"],
                               rows))
-        rows = [[ch.label, f"{ch.bits_per_element():.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
-                 f"{cache_bytes(c, ch, 32768) / MIB:,.1f}"] for ch in choices()]
-        out.print(_rich_table("cache bytes per token", ["cache", "bits", "bytes/token", "MiB @ 32k"], rows))
+        # bytes per token at 2048 tokens: the window's fixed bytes spread over them
+        rows = [[ch.label, str(ch.window), f"{ch.bits_per_element():.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
+                 f"{cache_bytes(c, ch, 32768) / MIB:,.1f}"] for ch in choices(cache_window)]
+        out.print(_rich_table("cache bytes per token", ["cache", "window", "bits", "bytes/token", "MiB @ 32k"], rows))
 
 
 @app.command(short_help="The largest context per cache choice in a memory budget.")
@@ -199,9 +204,12 @@ def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         sweep: Optional[Path] = typer.Option(None, "--sweep", help="JSON from `kvcli perplexity --sweep --json`."),
         device: str = typer.Option("cpu", "--device", help="cpu or cuda (the budget is that device's memory)."),
         dtype: str = typer.Option("f16", "--dtype", help="Compute dtype of the weights kept dense."),
-        weights: str = WeightsOpt):
+        weights: str = WeightsOpt,
+        cache_window: Optional[int] = typer.Option(None, "-cw", "--cache-window", min=0,
+                                                   help=WINDOW_HELP + " Applied to every choice.")):
     """The largest context each cache choice reaches in a memory budget, and the one to use."""
     with user_errors():
+        from kvcli.cache import CacheSpec
         from kvcli.fit import basis, fit_table, load_sweep, parse_bytes, weight_bytes
         from kvcli.gguf_file import open_gguf
 
@@ -213,13 +221,14 @@ def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
         g = open_gguf(resolve_model(model_arg, model))
         wanted = ctx or g.config.context_length
         wb = weight_bytes(g, dtype, weights, device)
-        rows, best = fit_table(g.config, wb, budget, wanted, measured)
+        rows, best = fit_table(g.config, wb, budget, wanted, measured, cache_window)
         out = Console(highlight=False)
         out.print(f"{Path(g.path).name} on {device}: budget {budget / GIB:.2f} GiB, weights {wb / GIB:.2f} GiB "
                   f"(--weights {weights}, --dtype {dtype}), working buffers {WORKING_BYTES // MIB} MiB", markup=False, soft_wrap=True)
-        table = [[r["choice"], f"{r['bits']:.2f}", f"{r['bytes_per_token']:,.0f}", f"{r['max_ctx']:,}",
+        table = [[r["choice"], str(r["window"]), f"{r['bits']:.2f}", f"{r['bytes_per_token']:,.0f}", f"{r['max_ctx']:,}",
                   "-" if r["kld"] is None else f"{r['kld']:.6f}"] for r in rows]
-        out.print(_rich_table("largest context per cache choice", ["cache", "bits", "bytes/token", "max ctx", "KLD"], table))
+        out.print(_rich_table("largest context per cache choice", ["cache", "window", "bits", "bytes/token", "max ctx",
+                                                                   "KLD"], table))
         if best is None:
             if wb + WORKING_BYTES >= budget:
                 raise KvcliError(f"the weights ({wb / GIB:.2f} GiB) and working buffers ({WORKING_BYTES // MIB} MiB) "
@@ -228,6 +237,9 @@ def fit(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt,
                              f"{max(r['max_ctx'] for r in rows):,} tokens")
         flags = (f"--cache-mode hidden -cth {best['type_h']}" if best["mode"] == "hidden"
                  else f"-ctk {best['type_k']} -ctv {best['type_v']}")
+        s = best["spec"]
+        if s != CacheSpec(s.mode, s.type_k, s.type_v, s.type_h):  # not the types' default window
+            flags += f" --cache-window {s.window}"
         out.print(f"recommended for {wanted:,} tokens: {best['choice']} ({flags} -c {wanted})", markup=False, soft_wrap=True)
         out.print(f"  based on: {basis(best, sweep and sweep.name)}", markup=False, soft_wrap=True)
 
@@ -241,6 +253,8 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
           cache_type_v: str = typer.Option("f16", "-ctv", "--cache-type-v", help="V types (comma list)."),
           cache_mode: str = typer.Option("kv", "--cache-mode", help="kv, hidden (comma list)."),
           cache_type_h: str = typer.Option("f16", "-cth", "--cache-type-h", help="Hidden-state types (comma list)."),
+          cache_window: Optional[str] = typer.Option(None, "-cw", "--cache-window",
+                                                     help="Recent windows (comma list). " + WINDOW_HELP),
           flash_attn: str = typer.Option("on", "-fa", "--flash-attn", help="on, off (comma list)."),
           repetitions: int = typer.Option(3, "-r", "--repetitions"),
           output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
@@ -269,6 +283,10 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
         for flag, values in (("-p/--n-prompt", ps), ("-n/--n-gen", ns), ("-d/--n-depth", ds)):
             if any(v < 0 for v in values):
                 raise KvcliError(f"{flag} takes token counts of 0 or more, not {min(values)}")
+        windows = [None] if cache_window is None else split_list(cache_window)
+        if not all(w is None or w.isdigit() for w in windows) or not windows:
+            raise KvcliError(f"-cw/--cache-window takes comma-separated counts of 0 or more, not {cache_window!r}")
+        windows = [None if w is None else int(w) for w in windows]
         modes = split_list(cache_mode)
         fas = ["on" if parse_flash_attn(f) else "off" for f in split_list(flash_attn)]  # llama.cpp's spellings too
         ctks, ctvs, cths = split_list(cache_type_k), split_list(cache_type_v), split_list(cache_type_h)
@@ -290,9 +308,10 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
         if threads:
             torch.set_num_threads(threads)
 
-        def make(ctx, mode, tk, tv, th, fa):
+        def make(ctx, mode, tk, tv, th, fa, window=None):
             return Llama(path, ctx_size=ctx, dtype=dtype, cache_type_k=tk, cache_type_v=tv, cache_mode=mode,
-                         cache_type_h=th, flash_attn=fa, device=device, shape=shape, weights=weights)
+                         cache_type_h=th, flash_attn=fa, device=device, shape=shape, weights=weights,
+                         cache_window=window)
 
         combos = combinations(modes, ctks, ctvs, cths, fas)
         backend = "CUDA" if device == "cuda" else "CPU"
@@ -301,9 +320,10 @@ def bench(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = ModelOpt
         if not tests:
             raise KvcliError("nothing to measure: give -p and/or -n above 0")
         rows = run_bench(make, name, tests, ds, combos, repetitions, torch.get_num_threads(), backend,
-                         synthetic=shape is not None,
+                         synthetic=shape is not None, windows=windows,
                          progress=lambda r: log(f"{r.cache_mode} {r.type_k}/{r.type_v}/{r.type_h} fa {r.fa} "
-                                                f"{r.test}: {r.tokens_per_s:.2f} t/s"))
+                                                f"{r.test}: {r.tokens_per_s:.2f} t/s"
+                                                + (f" (window {r.window})" if r.window else "")))
         text = {"md": to_markdown, "json": to_json, "csv": to_csv}[output](rows)
         sys.stdout.write(text + "\n")
 

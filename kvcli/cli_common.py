@@ -253,12 +253,20 @@ CtvOpt = typer.Option(None, "-ctv", "--cache-type-v", help="V cache storage type
 CacheModeOpt = typer.Option("kv", "--cache-mode", help="kv: cache K and V; hidden: cache each layer's normed input "
                                                        "and rebuild K/V; auto: hidden where smaller.")
 CthOpt = typer.Option(None, "-cth", "--cache-type-h", help="Hidden-state cache storage type (default f16).")
+WINDOW_HELP = ("Newest positions per layer kept in f16 and quantized only when they leave (default: the cache "
+               "type's: 0 for llama.cpp's types; none for f32/f16/bf16, which need none).")
+# click's range check: a negative or non-integer count is a usage error (one line, exit code 2)
+WindowOpt = typer.Option(None, "-cw", "--cache-window", min=0, help=WINDOW_HELP)
 
 
-def cache_spec(cache_mode: str, type_k: Optional[str], type_v: Optional[str], type_h: Optional[str]) -> "CacheSpec":
+def cache_spec(cache_mode: str, type_k: Optional[str], type_v: Optional[str], type_h: Optional[str],
+               window: Optional[int] = None) -> "CacheSpec":
     """The cache flags as one validated choice; unknown type names and ignored flags fail here,
-    before any model is loaded."""
+    before any model is loaded. A window given for dense types only is noted and dropped."""
     from kvcli.cache import CacheSpec, validate_cache_flags
 
     validate_cache_flags(cache_mode, type_k is not None, type_v is not None, type_h is not None)
-    return CacheSpec(cache_mode, type_k or "f16", type_v or "f16", type_h or "f16")
+    spec = CacheSpec(cache_mode, type_k or "f16", type_v or "f16", type_h or "f16", window)
+    if window and spec.mode != "auto" and not spec.window:
+        log(f"note: --cache-window {window} ignored: {spec.label} is not quantized, so it needs no f16 window")
+    return spec

@@ -35,19 +35,21 @@ def parse_bytes(text: str) -> int:
     return n
 
 
-def choices() -> list[CacheSpec]:
-    """Every KV type as a K=V pair, llama.cpp's mixed favourites, and every hidden-state type."""
+def choices(window: int | None = None) -> list[CacheSpec]:
+    """Every KV type as a K=V pair, llama.cpp's mixed favourites, and every hidden-state type; each with
+    `window` (None: its types' default)."""
     from kvcli.cache import STORAGE_TYPES
 
     types = list(STORAGE_TYPES)
-    kv = [CacheSpec("kv", t, t) for t in types] + [CacheSpec("kv", "q8_0", "q4_hadamard"),
-                                                   CacheSpec("kv", "q4_hadamard", "f16")]
-    return kv + [CacheSpec("hidden", type_h=t) for t in types]
+    pairs = [(t, t) for t in types] + [("q8_0", "q4_hadamard"), ("q4_hadamard", "f16")]
+    return ([CacheSpec("kv", k, v, window=window) for k, v in pairs]
+            + [CacheSpec("hidden", type_h=t, window=window) for t in types])
 
 
 def load_sweep(path: Path | None) -> dict[CacheSpec, float | None]:
     """Mean KLD per cache choice from `kvcli perplexity --sweep --json` rows (older rows, without
-    a mode, are K/V pairs); the sweep's base choice is KLD 0 against itself."""
+    a mode, are K/V pairs; without a window, they were measured with none); the sweep's base choice
+    is KLD 0 against itself."""
     if path is None:
         return {}
     try:
@@ -59,11 +61,11 @@ def load_sweep(path: Path | None) -> dict[CacheSpec, float | None]:
         raise KvcliError(f"{path} holds no sweep rows: expected the JSON of `kvcli perplexity --sweep --json`")
     out = {}
     for r in rows:
-        k, v, h = r.get("type_k", r.get("k")), r.get("type_v", r.get("v")), r.get("type_h")
+        k, v, h, w = r.get("type_k", r.get("k")), r.get("type_v", r.get("v")), r.get("type_h"), r.get("window", 0)
         if r.get("mode") == "hidden" and h:
-            spec = CacheSpec("hidden", type_h=h)
+            spec = CacheSpec("hidden", type_h=h, window=w)
         elif k and v:
-            spec = CacheSpec("kv", k, v)
+            spec = CacheSpec("kv", k, v, window=w)
         else:
             continue
         kld = r.get("mean_kld", r.get("kld"))
@@ -72,7 +74,7 @@ def load_sweep(path: Path | None) -> dict[CacheSpec, float | None]:
         out[spec] = kld
     if isinstance(data, dict) and data.get("base_mode") in ("kv", "hidden"):
         base = CacheSpec(data["base_mode"], data.get("base_type_k") or "f16", data.get("base_type_v") or "f16",
-                         data.get("base_type_h") or "f16")
+                         data.get("base_type_h") or "f16", data.get("base_window", 0))
         out.setdefault(base, 0.0)
     return out
 
@@ -96,18 +98,19 @@ def _rank(row: dict) -> tuple:
             -row["bits"])
 
 
-def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict[CacheSpec, float | None]
-              ) -> tuple[list[dict], dict | None]:
-    """One row per choice: bytes per token, largest context, KLD where the sweep has it; and the
-    recommendation: the best by `_rank` among the choices reaching ctx_wanted (None if none does)."""
+def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict[CacheSpec, float | None],
+              window: int | None = None) -> tuple[list[dict], dict | None]:
+    """One row per choice (with `window`, None: the types' default): bytes per token, largest context,
+    KLD where the sweep has it; and the recommendation: the best by `_rank` among the choices reaching
+    ctx_wanted (None if none does)."""
     room = mem - weight_bytes - WORKING_BYTES
     rows = []
-    for ch in choices():
+    for ch in choices(window):
         n = largest_context(config, ch, room)
         kld = sweep.get(ch)
         rows.append({"choice": ch.label, "spec": ch, "mode": ch.mode, "type_k": ch.type_k if ch.mode == "kv" else None,
                      "type_v": ch.type_v if ch.mode == "kv" else None, "type_h": ch.type_h if ch.mode == "hidden" else None,
-                     "bits": ch.bits_per_element(), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
+                     "window": ch.window, "bits": ch.bits_per_element(), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
                      "max_ctx": n, "kld": kld})
     reach = [r for r in rows if r["max_ctx"] >= ctx_wanted]
     return rows, (min(reach, key=_rank) if reach else None)

@@ -64,7 +64,8 @@ class Llama:
                  cache_type_k: str = "f16", cache_type_v: str = "f16", batch_size: int = 512,
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
                  device: str = "cpu", log: Callable[[str], None] | None = None, cache_mode: str = "kv",
-                 cache_type_h: str = "f16", shape: str | None = None, weights: str = "native"):
+                 cache_type_h: str = "f16", shape: str | None = None, weights: str = "native",
+                 cache_window: int | None = None):
         """Load the model and allocate its cache.
 
         model_path: a GGUF file; left out, the default model (SmolLM2-135M-Instruct Q4_1) from the
@@ -77,6 +78,9 @@ class Llama:
             f32 (every matrix dense; f32 is the exact reference).
         cache_type_k, cache_type_v, cache_type_h, cache_mode: the cache choice, as -ctk/-ctv/-cth/--cache-mode
             (cache_mode auto: hidden only where it is smaller than K+V).
+        cache_window: the newest positions of each layer kept in f16 and quantized only when they leave,
+            as --cache-window (kvcli/cache/window.py); None: the types' default (0 for llama.cpp's
+            types); ignored (0) where every cache type is dense (f32, f16, bf16).
         batch_size: tokens per forward pass when prefilling.  n_seq: sequences the cache holds.
         threads: torch CPU threads (None: torch's choice).  flash_attn: the fused attention path.
         device: cpu or cuda.  log: called with each progress line (the cache's size; a fetch's).
@@ -84,8 +88,8 @@ class Llama:
             memory only; model_path is then ignored and there is no tokenizer.
 
         Raises KvcliError (one line): model_path None or not a path, a missing file, a directory, a
-        file that is not a valid GGUF Llama model, a negative ctx_size or threads, n_seq below 1, an
-        unknown dtype or cache type, no CUDA for device cuda, a cache that does not fit in memory, a
+        file that is not a valid GGUF Llama model, a negative ctx_size, threads or cache_window, n_seq
+        below 1, an unknown dtype or cache type, no CUDA for device cuda, a cache that does not fit in memory, a
         default model that cannot be fetched.
         """
         if threads is not None and threads < 0:
@@ -113,7 +117,8 @@ class Llama:
         self.log = log or (lambda line: None)
 
         # kv, hidden or auto -> kv / hidden (auto: hidden only where smaller than K+V at these types)
-        self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h).resolved(c, self.n_ctx)
+        self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h,
+                                    cache_window).resolved(c, self.n_ctx)
         self.cache_mode = self.cache_spec.mode
         self.attention = Attention(flash=flash_attn)  # how every cache of this run attends
         untied = not self.synthetic and "output.weight" in self.gguf.tensors

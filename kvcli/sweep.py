@@ -17,25 +17,33 @@ from kvcli.memory import MIB
 from kvcli.perplexity import PplStats, chunk_logits, n_scored, score_chunk, token_nll
 
 
-def parse_sweep(spec: str) -> list[CacheSpec]:
-    """"f16/f16,q8_0/q4_0,q8_0,hidden:q4_0" -> cache choices: K/V pairs (a lone name is used for
-    both), hidden-state types after "hidden:", and "all" / "hidden:all" for every registered
-    storage type, so new cache types join the sweep."""
+def parse_sweep(spec: str, window: int | None = None) -> list[CacheSpec]:
+    """"f16/f16,q8_0/q4_0,q8_0,hidden:q4_0,q4_hadamard@16" -> cache choices: K/V pairs (a lone name is
+    used for both), hidden-state types after "hidden:", and "all" / "hidden:all" for every registered
+    storage type, so new cache types join the sweep. "@N" sets an entry's recent window; without it,
+    `window` (--cache-window; None: the types' default)."""
     specs: list[CacheSpec] = []
     for item in spec.split(","):
         item = item.strip().lower()
         if not item:
             continue
+        item, at, n = item.partition("@")
+        w = window
+        if at:
+            if not n.strip().isdigit():
+                raise KvcliError(f"--sweep entry {item + at + n!r}: @ takes a window of 0 or more positions, "
+                                 f"e.g. q4_hadamard@16")
+            w = int(n)
         mode, _, types = item.rpartition(":")
         if mode not in ("", "hidden"):
             raise KvcliError(f"--sweep entry {item!r}: write K/V types (q8_0/q4_0) or hidden:TYPE")
         names = list(STORAGE_TYPES) if types.strip() == "all" else [types]
         for name in names:
             if mode == "hidden":
-                found = CacheSpec("hidden", type_h=name.strip())
+                found = CacheSpec("hidden", type_h=name.strip(), window=w)
             else:
                 k, _, v = name.partition("/")
-                found = CacheSpec("kv", k.strip(), (v or k).strip())
+                found = CacheSpec("kv", k.strip(), (v or k).strip(), window=w)
             if found not in specs:
                 specs.append(found)
     if not specs:
@@ -44,10 +52,13 @@ def parse_sweep(spec: str) -> list[CacheSpec]:
 
 
 def row_label(spec: CacheSpec) -> str:
-    """The sweep's name for a choice: K/V types (one name where equal) or hidden:TYPE."""
+    """The sweep's name for a choice: K/V types (one name where equal) or hidden:TYPE, and @N for a
+    window (as --sweep takes it)."""
     if spec.mode == "hidden":
-        return f"hidden:{spec.type_h}"
-    return spec.type_k if spec.type_k == spec.type_v else f"{spec.type_k}/{spec.type_v}"
+        name = f"hidden:{spec.type_h}"
+    else:
+        name = spec.type_k if spec.type_k == spec.type_v else f"{spec.type_k}/{spec.type_v}"
+    return name + (f"@{spec.window}" if spec.window else "")
 
 
 def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: CacheSpec,
@@ -105,7 +116,7 @@ def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: C
         kv = spec.mode == "kv"
         rows.append(dict(
             cache=row_label(spec), mode=spec.mode, type_k=spec.type_k if kv else None,
-            type_v=spec.type_v if kv else None, type_h=None if kv else spec.type_h,
+            type_v=spec.type_v if kv else None, type_h=None if kv else spec.type_h, window=spec.window,
             bits_per_element=spec.bits_per_element(),
             cache_mib=cache_bytes(llm.config, spec, n_ctx) / MIB, cache_mib_32k=cache_bytes(llm.config, spec, 32768) / MIB,
             ppl=s["ppl"], ppl_err=s["ppl_err"], delta_ppl_pct=100 * (s["ppl"] / base_ppl - 1),
@@ -118,13 +129,15 @@ def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: C
 def sweep_table(rows: list[dict], base_spec: CacheSpec, n_ctx: int):
     from rich.table import Table
 
-    base = f"{base_spec.type_k}/{base_spec.type_v}" if base_spec.mode == "kv" else row_label(base_spec)
+    base = (f"{base_spec.type_k}/{base_spec.type_v}" + (f"@{base_spec.window}" if base_spec.window else "")
+            if base_spec.mode == "kv" else row_label(base_spec))
     t = Table(title=f"KV cache types against {base} (n_ctx {n_ctx})")
-    for name in ("K", "V", "bits/el", f"MiB @{n_ctx}", "MiB @32k", "PPL", "ΔPPL %", "mean KLD", "same top %", "s"):
+    for name in ("K", "V", "window", "bits/el", f"MiB @{n_ctx}", "MiB @32k", "PPL", "ΔPPL %", "mean KLD", "same top %",
+                 "s"):
         t.add_column(name, justify="left" if name in ("K", "V") else "right")
     for r in rows:
         k, v = (r["type_k"], r["type_v"]) if r["mode"] == "kv" else ("hidden", r["type_h"])
-        t.add_row(k, v, f"{r['bits_per_element']:.2f}", f"{r['cache_mib']:.2f}",
+        t.add_row(k, v, str(r["window"]), f"{r['bits_per_element']:.2f}", f"{r['cache_mib']:.2f}",
                   f"{r['cache_mib_32k']:.1f}", f"{r['ppl']:.4f} ± {r['ppl_err']:.4f}", f"{r['delta_ppl_pct']:+.3f}",
                   f"{r['mean_kld']:.6f}".replace("-0.000000", "0.000000"),  # rounding noise below 1e-6
                   f"{r['same_top_pct']:.2f}", f"{r['seconds']:.1f}")

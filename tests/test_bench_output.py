@@ -41,6 +41,8 @@ def test_bench_prints_q4_hadamard_by_name(tiny32):
     # The same rows as a markdown table and as csv.
     rows = [BenchRow(**row) for row in rows]
     md = to_markdown(rows).splitlines()
-    assert "| kv | q4_hadamard | q4_hadamard | - | on | pp4 |" in md[2] and "| kv | q8_0 | q4_hadamard |" in md[4]
+    window = rows[0].window  # q4_hadamard's default recent window, in the table as in the rows
+    assert window > 0 and all(r.window == window for r in rows)
+    assert f"| kv | q4_hadamard | q4_hadamard | - | {window} | on | pp4 |" in md[2] and "| kv | q8_0 | q4_hadamard |" in md[4]
     got = [(row["type_k"], row["type_v"]) for row in csv.DictReader(io.StringIO(to_csv(rows)))]
     assert got == [("q4_hadamard", "q4_hadamard")] * 2 + [("q8_0", "q4_hadamard")] * 2

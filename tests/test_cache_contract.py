@@ -72,8 +72,9 @@ def check_bytes(cls: type[Store]) -> None:
     for n_ctx in (1, 77, 256):
         store = cls(L, B, HKV, n_ctx, D)
         assert store.nbytes() == cls.nbytes_for(L, B, HKV * D, n_ctx)
-        cache = KVCache(L, B, HKV, n_ctx, D, cls.name, cls.name)
-        planned = cache_bytes(_config(), CacheSpec("kv", cls.name, cls.name), n_ctx, B)
+        spec = CacheSpec("kv", cls.name, cls.name)  # with the type's default recent window
+        cache = KVCache(L, B, HKV, n_ctx, D, cls.name, cls.name, window=spec.window)
+        planned = cache_bytes(_config(), spec, n_ctx, B)
         assert cache.nbytes() == planned
         printed = float(re.search(r"size = +([\d.]+) MiB", cache.describe()).group(1))
         assert printed == round(planned / MIB, 2)

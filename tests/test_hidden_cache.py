@@ -77,7 +77,9 @@ def test_cache_bytes_are_layers_ctx_embd_bits(models, type_h):
     expect = c.n_layers * 64 * c.n_embd * STORAGE_TYPES[type_h].bits_per_element() / 8
     if type_h == "q4_hadamard":  # the f16 sink positions and the f32 offset, per layer
         expect += c.n_layers * c.n_embd * (N_SINK * 2 + 4)
-    assert cache.nbytes() == expect == HiddenCache.bytes_needed(c.n_layers, 1, c.n_embd, 64, type_h)
+    window = STORAGE_TYPES[type_h].default_window  # the recent window's f16 x, a fixed cost per layer
+    expect += c.n_layers * window * c.n_embd * 2
+    assert cache.nbytes() == expect == HiddenCache.bytes_needed(c.n_layers, 1, c.n_embd, 64, type_h, window)
 
 
 def test_auto_picks_hidden_for_mha_and_kv_for_gqa(models):

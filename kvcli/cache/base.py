@@ -12,10 +12,11 @@ from typing import ClassVar, Protocol
 
 import torch
 
-from kvcli.attention import Attention
+from kvcli.attention import Attention, Recent
 from kvcli.errors import KvcliError
 from kvcli.kernel_layout import KernelLayout
 from kvcli.memory import MIB
+from kvcli.cache.window import Ring
 
 STORAGE_TYPES: dict[str, type["Store"]] = {}
 ALIASES: dict[str, str] = {}
@@ -30,6 +31,11 @@ class Store:
     # an unrotated type (benchmarks/README.md), so `kvcli fit` ranks it first without a sweep.
     rotated: ClassVar[bool] = False
     block_bytes: ClassVar[int]  # bytes per block, scales included
+    # Newest positions a cache of this type keeps in f16 unless told (kvcli/cache/window.py): 0 for
+    # llama.cpp's types, so they stay llama.cpp's; kvcli's own types set theirs from measurement
+    # (benchmarks/README.md, "Recent window"). A cache takes the largest of its types' defaults.
+    default_window: ClassVar[int] = 0
+    dense: ClassVar[bool] = False  # a plain float tensor (f32, f16, bf16): a window adds nothing to it
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -105,6 +111,15 @@ def resolve_type(name: str) -> type[Store]:
     return STORAGE_TYPES[key]
 
 
+def window_for(types: tuple[str, ...], window: int | None) -> int:
+    """The window a cache of these storage types keeps: none where every type is dense (an f16 copy of
+    what it holds anyway), else `window`, or the largest default of the types where None."""
+    classes = [resolve_type(t) for t in types]
+    if all(c.dense for c in classes):
+        return 0
+    return max(c.default_window for c in classes) if window is None else window
+
+
 class Cache(Protocol):
     """The model's seam: what a block hands its K/V (or normed input x) to. KVCache and HiddenCache."""
 
@@ -123,19 +138,36 @@ class Cache(Protocol):
 
 
 class KVCache:
-    """K and V stores of one model; types chosen independently (llama.cpp's -ctk / -ctv)."""
+    """K and V stores of one model; types chosen independently (llama.cpp's -ctk / -ctv). window: the
+    newest positions kept in f16 beside them (kvcli/cache/window.py), as given (CacheSpec picks the
+    types' default); 0: every position goes straight into the stores."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", attention: Attention | None = None):
+                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", attention: Attention | None = None,
+                 window: int = 0):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
         self.attend = attention or Attention()  # how to attend (the -fa choice); the cache only holds it
         self.k = resolve_type(type_k)(*shape, device=device, keys=True)
         self.v = resolve_type(type_v)(*shape, device=device)
-        self.n_layers, self.batch, self.n_ctx = n_layers, batch, n_ctx
+        self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
+        # K's and V's f16 windows, their heads side by side: (L, B, 2 Hkv, N, D)
+        self.ring = Ring(n_layers, batch, 2 * n_kv_heads, window, head_dim, device) if window else None
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> Recent | None:
+        """The new K/V (B, T, Hkv, D) at positions pos..pos+T-1. With a window, only the positions leaving
+        it go into the stores; returns the batch's f16 window for attention (None without one)."""
         if pos + k.shape[1] > self.n_ctx:
             raise KvcliError(f"context full: {pos + k.shape[1]} tokens do not fit in a {self.n_ctx}-token cache")
+        if not self.window:
+            self._write(layer, k, v, pos)
+            return None
+        Hkv = k.shape[2]
+        leaving, a, recent, r0 = self.ring.push(layer, torch.cat([k, v], 2), pos)
+        if leaving is not None:
+            self._write(layer, leaving[:, :, :Hkv], leaving[:, :, Hkv:], a)
+        return Recent(recent[:, :Hkv], recent[:, Hkv:], r0, self.window)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
         if type(self.k) is type(self.v):
             self.k.store_pair(self.v, layer, k, v, pos)
         else:
@@ -146,18 +178,26 @@ class KVCache:
                   pos: int) -> torch.Tensor:
         """Store the new K/V (B, T, Hkv, D), then attend q (B, T, H, D) over the cache -> (B, T, H*D).
         x, the block's normed input, is unused here (the hidden-state cache stores it instead)."""
-        self.store(layer, k, v, pos)
-        return self.attend(q, self, layer, pos)
+        recent = self.store(layer, k, v, pos)
+        return self.attend(q, self, layer, pos, recent)
+
+    def window_nbytes(self) -> int:
+        return self.ring.nbytes() if self.ring else 0
 
     def nbytes(self) -> int:
-        return self.k.nbytes() + self.v.nbytes()
+        return self.k.nbytes() + self.v.nbytes() + self.window_nbytes()
 
     def describe(self) -> str:
-        """llama.cpp's start-up line for the KV cache."""
-        return (f"KV cache: size = {self.nbytes() / MIB:7.2f} MiB ({self.n_ctx:6d} cells, {self.n_layers:3d} layers, "
+        """llama.cpp's start-up line for the KV cache; the window, a buffer of its own, at the end."""
+        line = (f"KV cache: size = {self.nbytes() / MIB:7.2f} MiB ({self.n_ctx:6d} cells, {self.n_layers:3d} layers, "
                 f"{self.batch}/{self.batch} seqs), K ({self.k.name}): {self.k.nbytes() / MIB:7.2f} MiB, "
                 f"V ({self.v.name}): {self.v.nbytes() / MIB:7.2f} MiB")
+        if self.window:
+            line += f", window {self.window} (f16): {self.window_nbytes() / MIB:7.2f} MiB"
+        return line
 
     @staticmethod
-    def bytes_needed(n_layers: int, batch: int, kv_dim: int, n_ctx: int, type_k: str, type_v: str) -> int:
-        return sum(resolve_type(t).nbytes_for(n_layers, batch, kv_dim, n_ctx) for t in (type_k, type_v))
+    def bytes_needed(n_layers: int, batch: int, kv_dim: int, n_ctx: int, type_k: str, type_v: str,
+                     window: int = 0) -> int:
+        return (sum(resolve_type(t).nbytes_for(n_layers, batch, kv_dim, n_ctx) for t in (type_k, type_v))
+                + Ring.nbytes_for(n_layers, batch, 2 * kv_dim, window))

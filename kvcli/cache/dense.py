@@ -11,6 +11,7 @@ from kvcli.cache.base import Store
 
 
 class DenseStore(Store):
+    dense = True  # no recent window: its f16 copy would hold what the store holds
     dtype: torch.dtype
     kind: int  # the kernels' KIND (kvcli/cache/layout.py)
 

@@ -89,6 +89,7 @@ class HadamardQ4Store(Store):
 
     name = "q4_hadamard"
     rotated = True
+    default_window = 16  # f16 recent window (kvcli/cache/window.py): from KLD per size, benchmarks/README.md
     block_size, block_bytes = 32, 18  # 16 bytes of codes and a bf16 scale per 32 elements: 4.5 bits
 
     def __init__(self, *args, tile: int | None = None, **kwargs):

@@ -13,6 +13,9 @@ two dividing n_embd, at most HADAMARD_MAX: every ggml block type fits (Ds % 32 =
 q4_hadamard gets a power-of-two rotation as wide as is cheap (rotation cost per token is
 n_embd * Ds; 64 for SmolLM2's 576, 256 for a 4096-wide model).
 
+With a recent window (kvcli/cache/window.py) the newest N positions' x stay in f16 and reach the
+store only when they leave; attention rebuilds their K/V from the f16 copy.
+
 How a run picks and builds a cache (kv, hidden or auto) is kvcli/cache/spec.py.
 """
 
@@ -20,8 +23,9 @@ from __future__ import annotations
 
 import torch
 
-from kvcli.attention import Attention
+from kvcli.attention import Attention, Recent
 from kvcli.cache.base import KVCache, Store, resolve_type
+from kvcli.cache.window import Ring
 from kvcli.errors import KvcliError
 from kvcli.memory import MIB
 
@@ -73,10 +77,11 @@ class _Values(_Keys):
 
 
 class HiddenCache:
-    """Stores x per layer; `.attention` has KVCache's signature. Needs the Transformer's weights."""
+    """Stores x per layer; `.attention` has KVCache's signature. Needs the Transformer's weights.
+    window: the newest positions whose x stays in f16 (as KVCache's)."""
 
     def __init__(self, config, batch: int, n_ctx: int, type_h: str = "f16", device: str = "cpu",
-                 attention: Attention | None = None, model=None):
+                 attention: Attention | None = None, model=None, window: int = 0):
         if model is None:
             raise KvcliError("the hidden-state cache needs the model (its K/V weights and RoPE table)")
         c = self.config = config
@@ -85,17 +90,23 @@ class HiddenCache:
         self.n_layers, self.batch, self.n_ctx = c.n_layers, batch, n_ctx
         ds = store_head_dim(c.n_embd)
         self.h = resolve_type(type_h)(c.n_layers, batch, c.n_embd // ds, n_ctx, ds, device=device)
+        self.window = window
+        self.ring = Ring(c.n_layers, batch, c.n_embd // ds, window, ds, device) if window else None
         self.k, self.v = _Keys(self), _Values(self)
         self._x_key, self._x = None, None  # the last chunk of x loaded: K and V of a chunk read it once
         self._cos_sin = None  # (n_ctx, D/2) f32 pair for the Triton kernel, made on first use
 
     # ---- sizes ----
+    def window_nbytes(self) -> int:
+        return self.ring.nbytes() if self.ring else 0
+
     def nbytes(self) -> int:
-        return self.h.nbytes()
+        return self.h.nbytes() + self.window_nbytes()
 
     @staticmethod
-    def bytes_needed(n_layers: int, batch: int, n_embd: int, n_ctx: int, type_h: str) -> int:
-        return resolve_type(type_h).nbytes_for(n_layers, batch, n_embd, n_ctx)
+    def bytes_needed(n_layers: int, batch: int, n_embd: int, n_ctx: int, type_h: str, window: int = 0) -> int:
+        return resolve_type(type_h).nbytes_for(n_layers, batch, n_embd, n_ctx) + Ring.nbytes_for(n_layers, batch,
+                                                                                                  n_embd, window)
 
     def kv_f16_bytes(self) -> int:
         c = self.config
@@ -104,8 +115,9 @@ class HiddenCache:
     def describe(self) -> str:
         """The start-up size line, with the f16 K+V size beside it; a warning line where hidden is larger."""
         c, hb, kvb = self.config, self.nbytes(), self.kv_f16_bytes()
+        window = f", window {self.window} (f16): {self.window_nbytes() / MIB:7.2f} MiB" if self.window else ""
         line = (f"hidden cache: size = {hb / MIB:7.2f} MiB ({self.n_ctx:6d} cells, {self.n_layers:3d} layers, "
-                f"{self.batch}/{self.batch} seqs), x ({self.h.name}): {hb / MIB:7.2f} MiB; "
+                f"{self.batch}/{self.batch} seqs), x ({self.h.name}): {self.h.nbytes() / MIB:7.2f} MiB{window}; "
                 f"an f16 K+V cache would take {kvb / MIB:7.2f} MiB")
         if hb > kvb:
             line += (f"\nwarning: the hidden-state cache ({hb / MIB:.2f} MiB) is larger than an f16 K+V cache "
@@ -122,9 +134,18 @@ class HiddenCache:
         B, T, E = x.shape
         if pos + T > self.n_ctx:
             raise KvcliError(f"context full: {pos + T} tokens do not fit in a {self.n_ctx}-token cache")
-        self.h.store(layer, x.float().reshape(B, T, self.h.n_heads, self.h.head_dim), pos)
-        self._x_key = None  # the stored contents changed
-        return self.attend.hidden(q, self, layer, pos)
+        x = x.float().reshape(B, T, self.h.n_heads, self.h.head_dim)
+        self._x_key = None  # the stored contents change
+        if not self.window:
+            self.h.store(layer, x, pos)
+            return self.attend.hidden(q, self, layer, pos)
+        leaving, a, recent, r0 = self.ring.push(layer, x, pos)  # recent (B, Hs, n, Ds): x of r0..pos+T-1
+        if leaving is not None:
+            self.h.store(layer, leaving, a)
+        block, xr = self.model.blocks[layer], recent.transpose(1, 2).reshape(B, -1, E)
+        k = block.project_k(xr, self.model.rot[r0 : pos + T])  # (B, n, Hkv, D)
+        v = torch.stack([w.matmul(xr) for w in block.wv_heads], 2)  # (B, n, Hkv, D): the window's own V
+        return self.attend.hidden(q, self, layer, pos, Recent(k.transpose(1, 2), v.transpose(1, 2), r0, self.window))
 
     def load_x(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Stored x of positions start..end-1 as (B, end - start, n_embd) f32, back in the model's space."""

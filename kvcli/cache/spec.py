@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from kvcli.attention import Attention
-from kvcli.cache.base import KVCache, resolve_type
+from kvcli.cache.base import KVCache, resolve_type, window_for
 from kvcli.cache.hidden import HiddenCache
 from kvcli.errors import KvcliError
 
@@ -17,19 +17,28 @@ CACHE_MODES = ("kv", "hidden", "auto")
 @dataclass(frozen=True)
 class CacheSpec:
     """A cache choice: mode kv (K and V of type_k / type_v), hidden (each layer's normed input
-    as type_h) or auto (hidden only where it is smaller than K+V at these types)."""
+    as type_h) or auto (hidden only where it is smaller than K+V at these types). window: the newest
+    positions kept in f16 (kvcli/cache/window.py); None: the types' default. Once the mode is kv or
+    hidden it holds the window the cache keeps: 0 where every type is dense (f32, f16, bf16)."""
 
     mode: str = "kv"
     type_k: str = "f16"
     type_v: str = "f16"
     type_h: str = "f16"
+    window: int | None = None
 
     def __post_init__(self):
         if self.mode not in CACHE_MODES:
             raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {self.mode!r}")
+        w = self.window
+        if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
+            raise KvcliError(f"--cache-window takes a count of positions, 0 or more, not {w!r}")
         # canonical names (aliases such as q4 resolved); unknown names fail here, before any loading
         for field in ("type_k", "type_v", "type_h"):
             object.__setattr__(self, field, resolve_type(getattr(self, field)).name)
+        if self.mode != "auto":  # canonical window too: a choice equals the same choice spelled out
+            types = (self.type_h,) if self.mode == "hidden" else (self.type_k, self.type_v)
+            object.__setattr__(self, "window", window_for(types, w))
 
     @property
     def label(self) -> str:
@@ -51,10 +60,8 @@ class CacheSpec:
         """auto -> kv or hidden for this model and context."""
         if self.mode != "auto":
             return self
-        c = self
-        kv = KVCache.bytes_needed(config.n_layers, 1, config.kv_dim, n_ctx, c.type_k, c.type_v)
-        hidden = HiddenCache.bytes_needed(config.n_layers, 1, config.n_embd, n_ctx, c.type_h)
-        return CacheSpec("hidden" if hidden < kv else "kv", c.type_k, c.type_v, c.type_h)
+        kv, hidden = (CacheSpec(m, self.type_k, self.type_v, self.type_h, self.window) for m in ("kv", "hidden"))
+        return hidden if cache_bytes(config, hidden, n_ctx) < cache_bytes(config, kv, n_ctx) else kv
 
 
 def validate_cache_flags(cache_mode: str, k_given: bool, v_given: bool, h_given: bool) -> None:
@@ -79,8 +86,8 @@ def cache_bytes(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1) -> int:
     `kvcli info`, the sweep's table and the printed size all come from here."""
     c, s = config, spec.resolved(config, n_ctx)
     if s.mode == "hidden":
-        return HiddenCache.bytes_needed(c.n_layers, n_seq, c.n_embd, n_ctx, s.type_h)
-    return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v)
+        return HiddenCache.bytes_needed(c.n_layers, n_seq, c.n_embd, n_ctx, s.type_h, s.window)
+    return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v, s.window)
 
 
 def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str = "cpu",
@@ -89,6 +96,7 @@ def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str 
     attention: how it attends (kvcli.attention.Attention, the -fa choice; default flash on)."""
     c, s = config, spec.resolved(config, n_ctx)
     if s.mode == "hidden":
-        return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, attention=attention, model=model)
+        return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, attention=attention, model=model,
+                           window=s.window)
     return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
-                   attention=attention)
+                   attention=attention, window=s.window)

@@ -11,7 +11,8 @@ from typing import Optional
 
 import typer
 
-from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, WeightsOpt, ModelOpt, ThreadsOpt, cache_spec,
+from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, WeightsOpt, ModelOpt, ThreadsOpt,
+                              WindowOpt, cache_spec,
                               ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, parse_weights, read_prompt, resolve_model,
                               user_errors)
 from kvcli.errors import KvcliError
@@ -64,6 +65,7 @@ def perplexity_command(
     cache_type_v: Optional[str] = CtvOpt,
     cache_mode: str = CacheModeOpt,
     cache_type_h: Optional[str] = CthOpt,
+    cache_window: Optional[int] = WindowOpt,
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, f16 or bf16 (activations, and matrices "
                                                      "kept dense)."),
     weights: str = WeightsOpt,
@@ -75,7 +77,7 @@ def perplexity_command(
     sweep_spec: Optional[str] = typer.Option(
         None, "--sweep", help="Cache choices to compare with the base (the cache flags' choice) in one run: "
                               "K/V pairs such as f16/f16,q8_0/q4_0, hidden:TYPE, 'all' (every type as K=V), "
-                              "'hidden:all'."),
+                              "'hidden:all'; @N after an entry sets its --cache-window (q4_hadamard@16)."),
     json_file: Optional[Path] = typer.Option(None, "--json", help="Also write the results (sweep rows) as JSON."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="With --sweep: draw mean KLD against cache MiB at 32k tokens (PNG)."),
 ):
@@ -86,10 +88,10 @@ def perplexity_command(
         weights = parse_weights(weights)
         from kvcli.sweep import parse_sweep, plot_sweep, sweep, sweep_table  # imports torch: not for --help
 
-        base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h)
+        base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window)
         flash = parse_flash_attn(flash_attn)
         threads = parse_threads(threads)
-        specs = parse_sweep(sweep_spec) if sweep_spec is not None else None
+        specs = parse_sweep(sweep_spec, cache_window) if sweep_spec is not None else None
         if kl_divergence and kl_divergence_base is None:
             raise KvcliError("--kl-divergence reads the base from --kl-divergence-base FILE")
         if specs and kl_divergence_base is not None:
@@ -126,7 +128,8 @@ def perplexity_command(
         n_seq = balanced_n_seq(min(batch_size, ubatch_size), ctx_size, n_chunk)
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
                     batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
-                    cache_mode=base_spec.mode, cache_type_h=base_spec.type_h, weights=weights)
+                    cache_mode=base_spec.mode, cache_type_h=base_spec.type_h, weights=weights,
+                    cache_window=base_spec.window)
         return_freed_memory()
         base_spec = llm.cache_spec  # auto resolved to kv or hidden
         if ctx_size > llm.config.context_length:
@@ -137,7 +140,7 @@ def perplexity_command(
         header = dict(model=path.name, n_vocab=llm.config.vocab_size, n_ctx=ctx_size, n_chunk=n_chunk,
                       first=first_scored(ctx_size), n_scored=n_scored(ctx_size), bos_id=bos_id, dtype=dtype,
                       cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v, cache_mode=base_spec.mode,
-                      cache_type_h=base_spec.type_h)
+                      cache_type_h=base_spec.type_h, cache_window=base_spec.window)
         t_start = time.perf_counter()
         with _progress(err) as progress:
             if specs:
@@ -160,11 +163,11 @@ def perplexity_command(
                 out = Console(highlight=False, width=160)
             out.print(sweep_table(rows, base_spec, ctx_size))
             log(f"perplexity: sweep of {len(rows)} cache types over {n_chunk} chunks took {seconds:.1f} s")
-            meta = {k: v for k, v in header.items() if not k.startswith("cache_type")}
+            meta = {k: v for k, v in header.items() if not k.startswith("cache_type") and k != "cache_window"}
             if json_file is not None:
                 _write_json(json_file, dict(meta, base_type_k=base_spec.type_k, base_type_v=base_spec.type_v,
                                             base_mode=base_spec.mode, base_type_h=base_spec.type_h,
-                                            seconds=seconds, rows=rows))
+                                            base_window=base_spec.window, seconds=seconds, rows=rows))
             if plot is not None:
                 plot_sweep(rows, plot, f"{path.name}, {Path(file).name}, n_ctx {ctx_size}, {n_chunk} chunks, "
                            f"dtype {dtype}, {weights} weights")
