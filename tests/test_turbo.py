@@ -138,23 +138,23 @@ def test_single_position_writes_equal_a_batch_write(bits, tile, keys, block):
 needs_gemm = pytest.mark.skipif(int4_gemm.tile_width() is None, reason="no int4 CPU GEMM in this torch on this CPU")
 
 
-def _products(cls, n, rows, seed):
+def _products(cls, n, rows, seed, D=64):
     """Keys and values of one cache filled with n positions, a query and softmax weights."""
     g = torch.Generator().manual_seed(seed)
-    k, v = cls(1, 2, 3, n, 64, keys=True), cls(1, 2, 3, n, 64)
-    x, y = torch.randn(2, n, 3, 64, generator=g), torch.randn(2, n, 3, 64, generator=g)
+    k, v = cls(1, 2, 3, n, D, keys=True), cls(1, 2, 3, n, D)
+    x, y = torch.randn(2, n, 3, D, generator=g), torch.randn(2, n, 3, D, generator=g)
     x[..., 5] *= 8  # an outlier channel, as real keys have
     k.store_pair(v, 0, x[:, : n - 3], y[:, : n - 3], 0)
     for pos in range(n - 3, n):
         k.store_pair(v, 0, x[:, pos : pos + 1], y[:, pos : pos + 1], pos)
-    q = k.to_storage(torch.randn(2, 3, rows, 64, generator=g))
+    q = k.to_storage(torch.randn(2, 3, rows, D, generator=g))
     p = torch.softmax(torch.randn(2, 3, rows, n, generator=g) * 3, -1)
     return k, v, q, p
 
 
-def _check_fast_path(cls, monkeypatch):
+def _check_fast_path(cls, monkeypatch, D=64):
     for n, rows in [(300, 1), (300, 3), (1000, 16), (70, 2)]:
-        k, v, q, p = _products(cls, n, rows, seed=n + rows)
+        k, v, q, p = _products(cls, n, rows, seed=n + rows, D=D)
         assert k.gemm(q) and v.gemm(p)
         for a, b in [(0, n), (0, 2), (3, 9), (64, n), (n - 1, n), (30, 200 if n > 200 else n)]:
             fast_s, fast_o = k.scores(0, q, a, b), v.weighted_sum(0, p[..., a:b].contiguous(), a, b)
@@ -169,8 +169,9 @@ def _check_fast_path(cls, monkeypatch):
 
 @needs_gemm
 @pytest.mark.parametrize("name", TQ)
-def test_fast_path_equals_dequantizing_path(name, monkeypatch):
-    _check_fast_path(resolve_type(name), monkeypatch)
+@pytest.mark.parametrize("D", [64, 128])  # one scale block per head, or two
+def test_fast_path_equals_dequantizing_path(name, D, monkeypatch):
+    _check_fast_path(resolve_type(name), monkeypatch, D)
 
 
 @needs_gemm

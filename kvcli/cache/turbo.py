@@ -156,7 +156,7 @@ class TurboStore(RotatedStore):
         # uniform: L[u] = u - mid, so d L[u] = d (u - 8) + d (8 - mid), the int4 GEMM's form plus a constant
         self.mid = -self.levels[0]
         self.uniform = all(v == u - self.mid for u, v in enumerate(self.levels))
-        self._unit = None  # (n_pad / 64, D, 2) bf16 unit scales for the value GEMM, made on first use
+        self._units: dict[int, torch.Tensor] = {}  # N -> (n_pad / 64, N, 2) value-GEMM weights, made on first use
 
     @classmethod
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
@@ -269,10 +269,12 @@ class TurboStore(RotatedStore):
             n.view(torch.int32).add_((8 - (1 << (self.bits - 1))) * 0x11111111)
         return n
 
-    @staticmethod
-    def _unit_scales(groups: int, N: int, device) -> torch.Tensor:
-        """(groups, N, 2) bf16: scale 1, zero point 1/2, the value GEMM's weights (x carries p d)."""
-        return torch.tensor([1.0, 0.5], dtype=torch.bfloat16, device=device).expand(groups, N, 2).contiguous()
+    def _unit_scales(self, N: int, device) -> torch.Tensor:
+        """(n_pad / 64, N, 2) bf16: scale 1, zero point 1/2 per 64 positions, the value GEMM's (x carries p d)."""
+        if N not in self._units:
+            one = torch.tensor([1.0, 0.5], dtype=torch.bfloat16, device=device)
+            self._units[N] = one.expand(self.n_pad // GROUP, N, 2).contiguous()
+        return self._units[N]
 
     def gemm(self, x: torch.Tensor) -> bool:
         """Decode products through the int4 GEMM? A uniform codebook, a few query rows on the CPU, the tile
@@ -311,15 +313,19 @@ class TurboStore(RotatedStore):
         m = self._sinks(layer, start, end).shape[2]
         pw = p.clone() if m else p
         pw[..., :m] = 0  # the sinks are added from f16 below
-        if bs == D:  # one scale per position: x = p d, one GEMM per head over all D elements
-            if self._unit is None:
-                self._unit = self._unit_scales(self.n_pad // GROUP, D, p.device)
-            x = torch.zeros(B, H, R, K, dtype=torch.bfloat16, device=p.device)
-            torch.mul(pw, d[:, :, 0, None, a : a + t], out=x[..., a : a + t])
-            out = torch.stack([int4_gemm.mm(x[i, h], planes[i, h].reshape(D, K // 2), self._unit[: K // GROUP], GROUP)
-                               for i in range(B) for h in range(H)]).view(B, H, R, D).float()
-        else:  # blocks of 32: q4_hadamard's per-tile products over the widened planes
-            out = int4_gemm.weighted_sum(pw, planes, d, a, a + t, self._unit_scales(K // 32, self.width, p.device))
+        W, nb = self.width, D // bs
+        if bs % W == 0:  # each block whole tiles: x = p d, one GEMM per head and block (tq: per head)
+            x = torch.zeros(B, H, nb, R, K, dtype=torch.bfloat16, device=p.device)
+            torch.mul(pw[:, :, None], d[..., None, a : a + t], out=x[..., a : a + t])  # (B, H, nb, R, t)
+            unit = self._unit_scales(bs, p.device)[: K // GROUP]
+            tb = bs // W  # tiles per block
+            out = torch.stack([int4_gemm.mm(x[i, h, j], planes[i, h, j * tb : (j + 1) * tb].reshape(bs, K // 2), unit, GROUP)
+                               for i in range(B) for h in range(H) for j in range(nb)])  # (B H nb, R, bs)
+            out = out.view(B, H, nb, R, bs).transpose(2, 3).reshape(B, H, R, D).float()
+        else:  # blocks narrower than a tile: q4_hadamard's per-tile products, its blocks of 32
+            d32 = d.repeat_interleave(bs // 32, 2)  # (B, H, D / 32, K)
+            unit = self._unit_scales(W, p.device).repeat_interleave(2, 0)[: K // 32]
+            out = int4_gemm.weighted_sum(pw, planes, d32, a, a + t, unit)
         out.addcmul_(pw.sum(-1, keepdim=True), self.offset[layer].transpose(1, 2))  # + c sum_t p_t past the sinks
         if m:
             out += p[..., :m] @ self._sinks(layer, start, end)
