@@ -138,7 +138,7 @@ def variant(name: str) -> str:
     def init(self, *args, **kwargs):
         TurboStore.__init__(self, *args, **kwargs)
         if rule == "mse1":
-            self.grid = torch.tensor([1.0])
+            self.steps = 1 / self.lv.abs().max().view(1)
         if not opts["rot"]:
             self.rot = torch.eye(self.head_dim, device=self.device)
 

@@ -114,15 +114,28 @@ def unpack_rows(p: torch.Tensor, bits: int) -> torch.Tensor:
 def quantize_blocks(y: torch.Tensor, levels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """y (..., S) f32 -> d (..., 1) f32 holding bf16 values and u (..., S) uint8 with y ~ d levels[u],
     d the candidate (g max|y| / max|L| for g in grid, refit by least squares) of least squared error."""
-    lv = levels.to(y.device)
-    mid = (lv[1:] + lv[:-1]) / 2
+    uniform = torch.equal(levels.cpu(), torch.tensor(uniform_levels(len(levels).bit_length() - 1)))
+    return search_scales(y, levels, grid / levels.abs().max(), uniform)
+
+
+def search_scales(y: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, uniform: bool
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks with the candidates made once: steps (G,) candidate scales over max|y|. Few ops
+    (decode runs it per token on a few vectors); uniform: levels is uniform_levels, its nearest level
+    found by rounding."""
+    n = len(levels)
     amax = y.abs().amax(-1, keepdim=True)  # (..., 1)
-    d = grid.to(y.device).view(-1, *([1] * y.dim())) * (amax / lv.abs().max())  # (G, ..., 1)
-    u = torch.bucketize(y / torch.where(d == 0, 1.0, d), mid)  # (G, ..., S) nearest level
-    q = lv[u]
-    d = ((q * y).sum(-1, keepdim=True) / (q * q).sum(-1, keepdim=True).clamp_min(1e-30)).bfloat16().float()
-    err = ((y - d * q) ** 2).sum(-1, keepdim=True)  # judged with the bf16 scale stored
-    best = err.argmin(0, keepdim=True)
+    d = steps.view(-1, *([1] * y.dim())) * amax  # (G, ..., 1) candidates
+    z = y / d.clamp_min(1e-30)  # (G, ..., S); y = 0 where amax = 0
+    if uniform:  # L[u] = u - (n - 1) / 2
+        u = z.add_(n // 2).floor_().clamp_(0, n - 1)
+        q = u - (n - 1) / 2
+    else:
+        u = torch.bucketize(z, (levels[1:] + levels[:-1]) / 2)
+        q = levels.take(u)
+    qy, qq = (q * y).sum(-1, keepdim=True), (q * q).sum(-1, keepdim=True).clamp_min_(1e-30)
+    d = (qy / qq).bfloat16().float()  # the least-squares scale, as stored
+    best = (d * (d * qq - 2 * qy)).argmin(0, keepdim=True)  # |y - d q|^2 - |y|^2, judged with the bf16 scale
     return d.gather(0, best)[0], u.gather(0, best.expand(1, *u.shape[1:]))[0].to(torch.uint8)
 
 
@@ -152,10 +165,11 @@ class TurboStore(RotatedStore):
         self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
         self.scale = lazy_zeros((L, B, H, D // self.block_size, self.n_pad), torch.bfloat16, self.device)
         self.lv = torch.tensor(self.levels, device=self.device)
-        self.grid = torch.tensor(SCALE_GRID, device=self.device)
+        self.steps = torch.tensor(SCALE_GRID, device=self.device) / self.lv.abs().max()  # candidates / max|y|
         # uniform: L[u] = u - mid, so d L[u] = d (u - 8) + d (8 - mid), the int4 GEMM's form plus a constant
         self.mid = -self.levels[0]
         self.uniform = all(v == u - self.mid for u, v in enumerate(self.levels))
+        self._columns: dict[tuple[int, int], torch.Tensor] = {}  # _pack_column's matrices
         self._units: dict[int, torch.Tensor] = {}  # N -> (n_pad / 64, N, 2) value-GEMM weights, made on first use
 
     @classmethod
@@ -171,7 +185,7 @@ class TurboStore(RotatedStore):
     def quantize(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """y (B, T, H, D) f32 -> codes (B, T, H, D) uint8, scales (B, T, H, D / block) f32."""
         B, T, H, D = y.shape
-        d, u = quantize_blocks(y.reshape(B, T, H, D // self.block_size, self.block_size), self.lv, self.grid)
+        d, u = search_scales(y.reshape(B, T, H, D // self.block_size, self.block_size), self.lv, self.steps, self.uniform)
         return u.view(B, T, H, D), d.view(B, T, H, -1)
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
@@ -211,9 +225,8 @@ class TurboStore(RotatedStore):
         b, tw, W = self.bits, self.tile, self.width
         if self.keys:  # one nibble in each packed row of column pos % (T / 2) of tile pos // T
             high = pos % tw >= tw // 2
-            packed = pack_rows(u[..., None], b)[..., 0]  # (B, H, b D / 4), codes in the low nibbles
-            col = self.data[layer, :, :, pos // tw, :, pos % (tw // 2)]  # a view
-            col.copy_((col & (0x0F if high else 0xF0)) | (packed << 4 if high else packed))
+            col = self.data[layer, :, :, pos // tw, :, pos % (tw // 2)]  # (B, H, b D / 4), a view
+            col.copy_((col & (0x0F if high else 0xF0)) | self._pack_column(u, 16 if high else 1))
             return
         nib = int4_gemm.pack_pairs(u.view(B, H, D // W, W))  # (B, H, D / W, W / 2): this position's bytes
         rows = self.data[layer, :, :, :, pos // GROUP]  # (B, H, D / W, 16 b, W / 2), a view
@@ -227,6 +240,23 @@ class TurboStore(RotatedStore):
             k, r = divmod(s, GROUP // 4)  # third bits: bit k of packed row S / 2 + r
             r += GROUP // 2
             rows[..., r, :] = (rows[..., r, :] & (0xFF ^ (0x11 << k))) | (((nib >> 2) & 0x11) << k)
+
+    def _pack_column(self, u: torch.Tensor, nibble: int) -> torch.Tensor:
+        """One key position's codes u (B, H, D) -> its nibble (times 1 or 16) of each packed row (B, H, b D / 4):
+        pack_rows as one small matmul (exact in f32), since decode writes one per layer and token."""
+        if (self.bits, nibble) not in self._columns:
+            D, b = self.head_dim, self.bits
+            eye = torch.eye(D, device=u.device)
+            if b == 4:
+                m = eye
+            else:  # the 2-bit rows: code r + 4 code r + D / 2; for b = 3, then sum_k 2^k (bit 2 of code r + k D / 4)
+                m = eye[: D // 2] + 4 * eye[D // 2 :]
+                if b == 3:
+                    hi = sum(2**k * eye[k * D // 4 : (k + 1) * D // 4] for k in range(4))
+                    m = torch.block_diag(m, hi)  # over [u & 3, u >> 2]
+            self._columns[self.bits, nibble] = m.T * nibble
+        parts = torch.cat([u & 3, u >> 2], -1) if self.bits == 3 else u
+        return (parts.float() @ self._columns[self.bits, nibble]).to(torch.uint8)
 
     # ---- reading ----
     def _key_codes(self, tiles: torch.Tensor) -> torch.Tensor:
