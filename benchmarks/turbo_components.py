@@ -6,9 +6,10 @@ A VARIANT names a TurboStore built for this run (registered here only, never in 
 dash-separated parts, defaults in brackets:
     b4 | b3 | b2            bits per code (required)
     blk64 | blk32           elements per scale block [blk64]
-    uni | lm | lmdata       codebook: uniform mid-rise grid, Lloyd-Max for N(0, 1), or Lloyd-Max
+    uni | lm | lmdata | g   codebook: uniform mid-rise grid, Lloyd-Max for N(0, 1), Lloyd-Max
                             fitted to this model's rotated, block-RMS-normalised K/V (text from
-                            past the scored chunks of the file) [uni]
+                            past the scored chunks of the file), or (3 bits) +-{0.5, 1.5, 2.5, 4.5},
+                            Lloyd-Max's shape on the 4-bit grid the int4 GEMM reads [uni]
     mse | mse1 | rms | norm scale rule: least-squares search over kvcli's grid, one candidate
                             (g = 1) refit, d = block RMS times the codebook's Gaussian-optimal
                             scale, or TurboQuant's norm correction (codes as rms, then d with
@@ -91,6 +92,12 @@ def data_codebook(bits: int) -> tuple[float, ...]:
     return _DATA_CODEBOOKS[bits]
 
 
+def grid_levels(bits: int) -> tuple[float, ...]:
+    if bits != 3:
+        raise SystemExit("the g codebook is a 3-bit one")
+    return (-4.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 4.5)
+
+
 def variant(name: str) -> str:
     """Register the TurboStore a VARIANT names (once) and return its registry name."""
     if name in STORAGE_TYPES:
@@ -102,7 +109,7 @@ def variant(name: str) -> str:
             opts["bits"] = int(p[1])
         elif p in ("blk32", "blk64"):
             opts["block"] = int(p[3:])
-        elif p in ("uni", "lm", "lmdata"):
+        elif p in ("uni", "lm", "lmdata", "g"):
             opts["book"] = p
         elif p in ("mse", "mse1", "rms", "norm"):
             opts["rule"] = p
@@ -117,7 +124,7 @@ def variant(name: str) -> str:
     if opts["bits"] is None:
         raise SystemExit(f"{name!r}: give the bits (b2, b3, b4)")
     b, bs = opts["bits"], opts["block"]
-    levels = {"uni": uniform_levels, "lm": lloyd_max_levels, "lmdata": data_codebook}[opts["book"]](b)
+    levels = {"uni": uniform_levels, "lm": lloyd_max_levels, "lmdata": data_codebook, "g": grid_levels}[opts["book"]](b)
     rule, c = opts["rule"], gaussian_scale(levels)
     attrs = dict(name=name, bits=b, block_size=bs, block_bytes=b * bs // 8 + 2, levels=levels,
                  n_sink=opts["sink"], offset_keys=opts["off"] != "o0", offset_values=opts["off"] == "okv")
