@@ -52,7 +52,8 @@ from kvcli.errors import KvcliError
 from kvcli.memory import lazy_zeros
 
 GROUP = 64  # value positions packed together (S for values), = PAD: whole groups in every store
-# Scale candidates g max|y| / max|L| per block, each refit by least squares for its codes.
+# Scale candidates g max|y| / max|L| per block, each refit by least squares for its codes: a wide grid
+# for any codebook, and each tq type's own 8 (the range its blocks pick, benchmarks/README.md).
 SCALE_GRID = tuple(round(0.30 + 0.05 * i, 2) for i in range(17))  # 0.30 .. 1.10
 
 
@@ -95,17 +96,20 @@ def pack_rows(n: torch.Tensor, bits: int) -> torch.Tensor:
     return torch.cat([low, high[0] | high[1] | high[2] | high[3]], -2)
 
 
-def unpack_rows(p: torch.Tensor, bits: int) -> torch.Tensor:
-    """Packed (..., b S / 4, C) -> nibble rows (..., S, C) uint8, C a multiple of 4: int32 shifts and
-    masks over the bytes (bits moving across a byte boundary land where the mask drops them)."""
+def unpack_rows(p: torch.Tensor, bits: int, add: int = 0) -> torch.Tensor:
+    """Packed (..., b S / 4, C) -> nibble rows (..., S, C) uint8 (plus `add` in every nibble, the sum
+    below 16), C a multiple of 4: int32 shifts and masks over the bytes (bits moving across a byte
+    boundary land where the mask drops them)."""
     if bits == 4:
-        return p
+        return p if not add else (p.view(torch.int32) + add * 0x11111111).view(torch.uint8)
     lead, C, S = p.shape[:-2], p.shape[-1], p.shape[-2] * 4 // bits
     low = p[..., : S // 2, :].view(torch.int32).unsqueeze(-3)  # (..., 1, S / 2, C / 4)
     n = (low >> _SHIFT2.to(p.device)).bitwise_and_(0x33333333).view(*lead, S, C // 4)  # rows r, r + S / 2
     if bits == 3:
         high = p[..., S // 2 :, :].view(torch.int32).unsqueeze(-3)  # (..., 1, S / 4, C / 4)
-        n |= (high >> _SHIFT4.to(p.device)).bitwise_and_(0x11111111).bitwise_left_shift_(2).view(*lead, S, C // 4)
+        n.add_((high >> _SHIFT4.to(p.device)).bitwise_and_(0x11111111).view(*lead, S, C // 4), alpha=4)
+    if add:
+        n.add_(add * 0x11111111)
     return n.view(torch.uint8)
 
 
@@ -124,18 +128,18 @@ def search_scales(y: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, un
     (decode runs it per token on a few vectors); uniform: levels is uniform_levels, its nearest level
     found by rounding."""
     n = len(levels)
-    amax = y.abs().amax(-1, keepdim=True)  # (..., 1)
-    d = steps.view(-1, *([1] * y.dim())) * amax  # (G, ..., 1) candidates
-    z = y / d.clamp_min(1e-30)  # (G, ..., S); y = 0 where amax = 0
+    amax = torch.linalg.vector_norm(y, math.inf, -1, keepdim=True)  # (..., 1) max|y|
+    d = steps.view(-1, *([1] * y.dim())) * amax.clamp_min_(1e-30)  # (G, ..., 1) candidates; y = 0 where amax is 0
+    z = y / d  # (G, ..., S)
     if uniform:  # L[u] = u - (n - 1) / 2
         u = z.add_(n // 2).floor_().clamp_(0, n - 1)
         q = u - (n - 1) / 2
     else:
         u = torch.bucketize(z, (levels[1:] + levels[:-1]) / 2)
         q = levels.take(u)
-    qy, qq = (q * y).sum(-1, keepdim=True), (q * q).sum(-1, keepdim=True).clamp_min_(1e-30)
+    qy, qq = torch.linalg.vecdot(q, y)[..., None], torch.linalg.vecdot(q, q)[..., None].clamp_min_(1e-30)
     d = (qy / qq).bfloat16().float()  # the least-squares scale, as stored
-    best = (d * (d * qq - 2 * qy)).argmin(0, keepdim=True)  # |y - d q|^2 - |y|^2, judged with the bf16 scale
+    best = torch.sub(d * qq, qy, alpha=2).mul_(d).argmin(0, keepdim=True)  # |y - d q|^2 - |y|^2, bf16 d
     return d.gather(0, best)[0], u.gather(0, best.expand(1, *u.shape[1:]))[0].to(torch.uint8)
 
 
@@ -146,6 +150,7 @@ class TurboStore(RotatedStore):
     bits: ClassVar[int]
     levels: ClassVar[tuple[float, ...]]  # the codebook L, ascending, in units of the block's scale
     default_window: ClassVar[int] = 0  # newest positions kept in f16 (the cache-level window), none yet
+    scale_grid: ClassVar[tuple[float, ...]] = SCALE_GRID
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -165,7 +170,7 @@ class TurboStore(RotatedStore):
         self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
         self.scale = lazy_zeros((L, B, H, D // self.block_size, self.n_pad), torch.bfloat16, self.device)
         self.lv = torch.tensor(self.levels, device=self.device)
-        self.steps = torch.tensor(SCALE_GRID, device=self.device) / self.lv.abs().max()  # candidates / max|y|
+        self.steps = torch.tensor(self.scale_grid, device=self.device) / self.lv.abs().max()  # candidates / max|y|
         # uniform: L[u] = u - mid, so d L[u] = d (u - 8) + d (8 - mid), the int4 GEMM's form plus a constant
         self.mid = -self.levels[0]
         self.uniform = all(v == u - self.mid for u, v in enumerate(self.levels))
@@ -292,12 +297,8 @@ class TurboStore(RotatedStore):
 
     def _gemm_nibbles(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed rows -> nibble tiles holding u + 8 - 2^(b-1), so that the GEMM's (nibble - 8) s + s / 2
-        is s (u - mid) = s L[u] exactly (a zero point of s / 2 is exact in bf16); b < 4: one int32 add
-        per nibble pair, no carries (u + 8 - 2^(b-1) < 16)."""
-        n = unpack_rows(packed, self.bits)
-        if self.bits < 4:
-            n.view(torch.int32).add_((8 - (1 << (self.bits - 1))) * 0x11111111)
-        return n
+        is s (u - mid) = s L[u] exactly (a zero point of s / 2 is exact in bf16)."""
+        return unpack_rows(packed, self.bits, 8 - (1 << (self.bits - 1)))
 
     def _unit_scales(self, N: int, device) -> torch.Tensor:
         """(n_pad / 64, N, 2) bf16: scale 1, zero point 1/2 per 64 positions, the value GEMM's (x carries p d)."""
@@ -319,46 +320,49 @@ class TurboStore(RotatedStore):
         tw, bs = self.tile, self.block_size
         t0, t1 = start // tw, -(-end // tw)
         n, a = (t1 - t0) * tw, start - t0 * tw
-        tiles = self._gemm_nibbles(self.data[layer, :, :, t0:t1])  # (B, H, nt, D, T / 2)
-        d = self.scale[layer, :, :, :, t0 * tw : t1 * tw]  # (B, H, D / bs, n) bf16
+        tiles = self._gemm_nibbles(self.data[layer, :, :, t0:t1]).flatten(0, 1)  # (B H, nt, D, T / 2)
+        d = self.scale[layer, :, :, :, t0 * tw : t1 * tw].flatten(0, 1)  # (B H, D / bs, n) bf16
         sz = torch.stack([d, d * 0.5], -1)  # scale d, zero point d / 2: the GEMM gives d L[u]
-        qb = q.to(torch.bfloat16)
-        s = torch.stack([int4_gemm.mm(qb[i, h], tiles[i, h].view(n, D // 2), sz[i, h], bs)
-                         for i in range(B) for h in range(H)]).view(B, H, R, n)[..., a : a + end - start].float()
-        s += q @ self.offset[layer].permute(0, 2, 3, 1)  # + q . c  # (B, H, R, D) @ (B, H, D, 1)
+        s = torch.stack([int4_gemm.mm(x, w.view(n, D // 2), z, bs)
+                         for x, w, z in zip(q.to(torch.bfloat16).flatten(0, 1), tiles, sz)])  # (B H, R, n) bf16
+        # + q . c (B, H, R, D) @ (B, H, D, 1), in f32
+        s = torch.add(s.view(B, H, R, n)[..., a : a + end - start], q @ self.offset[layer].permute(0, 2, 3, 1))
         sinks = self._sinks(layer, start, end)
-        s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
+        if sinks.shape[2]:
+            s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
         return s
 
     def weighted_sum(self, layer, p, start, end):
         if not self.gemm(p):
             return super().weighted_sum(layer, p, start, end)
         B, H, R, t = p.shape
-        D, bs = self.head_dim, self.block_size
+        D, bs, W = self.head_dim, self.block_size, self.width
         g0, g1 = start // GROUP, -(-end // GROUP)
-        K, a = (g1 - g0) * GROUP, start - g0 * GROUP
+        K, a, nb = (g1 - g0) * GROUP, start - g0 * GROUP, D // bs
         planes = self._gemm_nibbles(self.data[layer, :, :, :, g0:g1])  # (B, H, D / W, ng, 64, W / 2)
-        planes = planes.reshape(B, H, D // self.width, K, self.width // 2)  # the GEMM's (N / T, K, T / 2), N = D
-        d = self.scale[layer, :, :, :, g0 * GROUP : g1 * GROUP]  # (B, H, D / bs, K) bf16
-        m = self._sinks(layer, start, end).shape[2]
-        pw = p.clone() if m else p
-        pw[..., :m] = 0  # the sinks are added from f16 below
-        W, nb = self.width, D // bs
+        planes = planes.reshape(B * H, D // W, K, W // 2)  # the GEMM's (N / T, K, T / 2) per head, N = D
+        d = self.scale[layer, :, :, :, g0 * GROUP : g1 * GROUP]  # (B, H, nb, K) bf16
+        sinks = self._sinks(layer, start, end)
+        m = sinks.shape[2]  # the sinks come from f16 below: no weight from their codes
         if bs % W == 0:  # each block whole tiles: x = p d, one GEMM per head and block (tq: per head)
-            x = torch.zeros(B, H, nb, R, K, dtype=torch.bfloat16, device=p.device)
-            torch.mul(pw[:, :, None], d[..., None, a : a + t], out=x[..., a : a + t])  # (B, H, nb, R, t)
+            x = torch.zeros(B * H, nb, R, K, dtype=torch.bfloat16, device=p.device)
+            x[..., a : a + t] = (p[:, :, None] * d[..., None, a : a + t]).flatten(0, 1)  # (B H, nb, R, t)
+            x[..., a : a + m] = 0
             unit = self._unit_scales(bs, p.device)[: K // GROUP]
             tb = bs // W  # tiles per block
-            out = torch.stack([int4_gemm.mm(x[i, h, j], planes[i, h, j * tb : (j + 1) * tb].reshape(bs, K // 2), unit, GROUP)
-                               for i in range(B) for h in range(H) for j in range(nb)])  # (B H nb, R, bs)
-            out = out.view(B, H, nb, R, bs).transpose(2, 3).reshape(B, H, R, D).float()
+            out = torch.stack([int4_gemm.mm(xh[j], wh[j * tb : (j + 1) * tb].reshape(bs, K // 2), unit, GROUP)
+                               for xh, wh in zip(x, planes) for j in range(nb)])  # (B H nb, R, bs)
+            out = out.view(B, H, nb, R, bs).transpose(2, 3).reshape(B, H, R, D)
         else:  # blocks narrower than a tile: q4_hadamard's per-tile products, its blocks of 32
+            pw = p.clone()
+            pw[..., :m] = 0
             d32 = d.repeat_interleave(bs // 32, 2)  # (B, H, D / 32, K)
             unit = self._unit_scales(W, p.device).repeat_interleave(2, 0)[: K // 32]
-            out = int4_gemm.weighted_sum(pw, planes, d32, a, a + t, unit)
-        out.addcmul_(pw.sum(-1, keepdim=True), self.offset[layer].transpose(1, 2))  # + c sum_t p_t past the sinks
+            out = int4_gemm.weighted_sum(pw, planes.view(B, H, D // W, K, W // 2), d32, a, a + t, unit)
+        # + c sum_t p_t past the sinks, in f32
+        out = torch.addcmul(out, p[..., m:].sum(-1, keepdim=True), self.offset[layer].transpose(1, 2))
         if m:
-            out += p[..., :m] @ self._sinks(layer, start, end)
+            out += p[..., :m] @ sinks
         return out
 
     def kernel_layout(self):
@@ -369,15 +373,18 @@ class TQ4Store(TurboStore):
     name = "tq4"
     bits, block_size, block_bytes = 4, 64, 34  # 32 bytes of codes and a bf16 scale per 64 elements: 4.25 bits
     levels = uniform_levels(4)
+    scale_grid = tuple(round(0.75 + 0.05 * i, 2) for i in range(8))
 
 
 class TQ3Store(TurboStore):
     name = "tq3"
     bits, block_size, block_bytes = 3, 64, 26  # 24 bytes of codes and a bf16 scale per 64 elements: 3.25 bits
     levels = uniform_levels(3)
+    scale_grid = tuple(round(0.50 + 0.08 * i, 2) for i in range(8))
 
 
 class TQ2Store(TurboStore):
     name = "tq2"
     bits, block_size, block_bytes = 2, 64, 18  # 16 bytes of codes and a bf16 scale per 64 elements: 2.25 bits
     levels = uniform_levels(2)
+    scale_grid = tuple(round(0.25 + 0.09 * i, 2) for i in range(8))
