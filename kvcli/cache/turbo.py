@@ -169,6 +169,13 @@ class TurboStore(RotatedStore):
                  else (D // self.width, self.n_pad // GROUP, 16 * b, self.width // 2))
         self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
         self.scale = lazy_zeros((L, B, H, D // self.block_size, self.n_pad), torch.bfloat16, self.device)
+        # per-layer views and read-side forms, made once: decode runs a few dozen small ops per layer and token
+        self._data, self._scales = self.data.unbind(0), self.scale.unbind(0)
+        self._k_offsets = self.offset.permute(0, 1, 3, 4, 2).unbind(0)  # (B, H, D, 1) views, for q . c
+        self._v_offsets = self.offset.transpose(2, 3).unbind(0)  # (B, H, 1, D) views
+        self._sinks32: list[torch.Tensor | None] = [None] * L  # (B, H, n_sink, D) f32 copies, made on first read
+        self._prepared = [0] * L  # prepare() calls per layer: the pair offsets below are of one generation
+        self._pair_offsets: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
         self.lv = torch.tensor(self.levels, device=self.device)
         self.steps = torch.tensor(self.scale_grid, device=self.device) / self.lv.abs().max()  # candidates / max|y|
         # uniform: L[u] = u - mid, so d L[u] = d (u - 8) + d (8 - mid), the int4 GEMM's form plus a constant
@@ -193,24 +200,53 @@ class TurboStore(RotatedStore):
         d, u = search_scales(y.reshape(B, T, H, D // self.block_size, self.block_size), self.lv, self.steps, self.uniform)
         return u.view(B, T, H, D), d.view(B, T, H, -1)
 
+    def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
+        self._prepared[layer] += 1  # the offset may change
+        if pos < self.n_sink:
+            self._sinks32[layer] = None
+        return super().prepare(layer, x, pos)
+
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
         self.put(layer, *self.quantize(self.prepare(layer, x, pos)), pos)
 
     def store_pair(self, other: "TurboStore", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
         """K here, V in `other`, quantized in one pass (the scale search's ops run once per token)."""
-        B = x.shape[0]
+        B, T, H, D = x.shape
+        if T == 1 and pos >= self.n_sink and self.ready(layer) and other.ready(layer):
+            # decode past the sinks, offsets set: prepare's rotation and offsets for both at once, then each
+            # store's bits of this one position
+            u, d = self.quantize((torch.cat([x, y]).float() @ self.rot.T).sub_(self._both_offsets(other, layer)))
+            (uk, uv), (dk, dv) = u.view(2, B, H, D).unbind(0), d.view(2, B, H, -1).unbind(0)
+            self._scales[layer][..., pos] = dk
+            self._put_one(layer, uk, pos)
+            other._scales[layer][..., pos] = dv
+            other._put_one(layer, uv, pos)
+            return
         u, d = self.quantize(torch.cat([self.prepare(layer, x, pos), other.prepare(layer, y, pos)]))
         self.put(layer, u[:B], d[:B], pos)
         other.put(layer, u[B:], d[B:], pos)
 
+    def _both_offsets(self, other: "TurboStore", layer: int) -> torch.Tensor:
+        """(2 B, 1, H, D): this store's offset c of `layer`, then other's, joined once per generation."""
+        key = (self._prepared[layer], other._prepared[layer])
+        if self._pair_offsets.get(layer, (None,))[0] != key:
+            self._pair_offsets[layer] = key, torch.cat([self.offset[layer], other.offset[layer]])
+        return self._pair_offsets[layer][1]
+
+    def ready(self, layer: int) -> bool:
+        """Has this layer's offset been set (or does this store use none)?"""
+        return self.offset_set[layer] or not self.centred
+
     def put(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: int) -> None:
         """Codes u (B, T, H, D) and scales d (B, T, H, D / block) into positions pos..pos+T-1."""
         B, T, H, D = u.shape
-        self.scale[layer, :, :, :, pos : pos + T] = d.permute(0, 2, 3, 1)
         b, tw, W = self.bits, self.tile, self.width
         if T == 1:  # decode: rewrite only this position's bits
+            self._scales[layer][..., pos] = d[:, 0]
             self._put_one(layer, u[:, 0], pos)
-        elif self.keys:  # the touched tiles, unpacked, updated, packed again
+            return
+        self.scale[layer, :, :, :, pos : pos + T] = d.permute(0, 2, 3, 1)
+        if self.keys:  # the touched tiles, unpacked, updated, packed again
             t0, t1 = pos // tw, -(-(pos + T) // tw)
             tiles = self.data[layer, :, :, t0:t1]  # (B, H, nt, b D / 4, T / 2)
             codes = self._key_codes(unpack_rows(tiles, b))
@@ -230,11 +266,11 @@ class TurboStore(RotatedStore):
         b, tw, W = self.bits, self.tile, self.width
         if self.keys:  # one nibble in each packed row of column pos % (T / 2) of tile pos // T
             high = pos % tw >= tw // 2
-            col = self.data[layer, :, :, pos // tw, :, pos % (tw // 2)]  # (B, H, b D / 4), a view
+            col = self._data[layer][:, :, pos // tw, :, pos % (tw // 2)]  # (B, H, b D / 4), a view
             col.copy_((col & (0x0F if high else 0xF0)) | self._pack_column(u, 16 if high else 1))
             return
         nib = int4_gemm.pack_pairs(u.view(B, H, D // W, W))  # (B, H, D / W, W / 2): this position's bytes
-        rows = self.data[layer, :, :, :, pos // GROUP]  # (B, H, D / W, 16 b, W / 2), a view
+        rows = self._data[layer][:, :, :, pos // GROUP]  # (B, H, D / W, 16 b, W / 2), a view
         s = pos % GROUP
         if b == 4:
             rows[..., s, :] = nib
@@ -249,16 +285,14 @@ class TurboStore(RotatedStore):
     def _pack_column(self, u: torch.Tensor, nibble: int) -> torch.Tensor:
         """One key position's codes u (B, H, D) -> its nibble (times 1 or 16) of each packed row (B, H, b D / 4):
         pack_rows as one small matmul (exact in f32), since decode writes one per layer and token."""
+        if self.bits == 4:
+            return u * nibble
         if (self.bits, nibble) not in self._columns:
             D, b = self.head_dim, self.bits
             eye = torch.eye(D, device=u.device)
-            if b == 4:
-                m = eye
-            else:  # the 2-bit rows: code r + 4 code r + D / 2; for b = 3, then sum_k 2^k (bit 2 of code r + k D / 4)
-                m = eye[: D // 2] + 4 * eye[D // 2 :]
-                if b == 3:
-                    hi = sum(2**k * eye[k * D // 4 : (k + 1) * D // 4] for k in range(4))
-                    m = torch.block_diag(m, hi)  # over [u & 3, u >> 2]
+            m = eye[: D // 2] + 4 * eye[D // 2 :]  # the 2-bit rows: code r + 4 code r + D / 2
+            if b == 3:  # then sum_k 2^k (bit 2 of code r + k D / 4), over [u & 3, u >> 2]
+                m = torch.block_diag(m, sum(2**k * eye[k * D // 4 : (k + 1) * D // 4] for k in range(4)))
             self._columns[self.bits, nibble] = m.T * nibble
         parts = torch.cat([u & 3, u >> 2], -1) if self.bits == 3 else u
         return (parts.float() @ self._columns[self.bits, nibble]).to(torch.uint8)
@@ -295,6 +329,13 @@ class TurboStore(RotatedStore):
         y[:, :, : sinks.shape[2]] = sinks
         return y
 
+    def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
+        if start or end < self.n_sink:
+            return super()._sinks(layer, start, end)
+        if self._sinks32[layer] is None:  # all of them, as decode reads them: converted once
+            self._sinks32[layer] = super()._sinks(layer, 0, self.n_sink)
+        return self._sinks32[layer]
+
     def _gemm_nibbles(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed rows -> nibble tiles holding u + 8 - 2^(b-1), so that the GEMM's (nibble - 8) s + s / 2
         is s (u - mid) = s L[u] exactly (a zero point of s / 2 is exact in bf16)."""
@@ -320,13 +361,13 @@ class TurboStore(RotatedStore):
         tw, bs = self.tile, self.block_size
         t0, t1 = start // tw, -(-end // tw)
         n, a = (t1 - t0) * tw, start - t0 * tw
-        tiles = self._gemm_nibbles(self.data[layer, :, :, t0:t1]).flatten(0, 1)  # (B H, nt, D, T / 2)
-        d = self.scale[layer, :, :, :, t0 * tw : t1 * tw].flatten(0, 1)  # (B H, D / bs, n) bf16
+        tiles = self._gemm_nibbles(self._data[layer][:, :, t0:t1]).flatten(0, 1)  # (B H, nt, D, T / 2)
+        d = self._scales[layer][..., t0 * tw : t1 * tw].flatten(0, 1)  # (B H, D / bs, n) bf16
         sz = torch.stack([d, d * 0.5], -1)  # scale d, zero point d / 2: the GEMM gives d L[u]
         s = torch.stack([int4_gemm.mm(x, w.view(n, D // 2), z, bs)
                          for x, w, z in zip(q.to(torch.bfloat16).flatten(0, 1), tiles, sz)])  # (B H, R, n) bf16
         # + q . c (B, H, R, D) @ (B, H, D, 1), in f32
-        s = torch.add(s.view(B, H, R, n)[..., a : a + end - start], q @ self.offset[layer].permute(0, 2, 3, 1))
+        s = torch.add(s.view(B, H, R, n)[..., a : a + end - start], q @ self._k_offsets[layer])
         sinks = self._sinks(layer, start, end)
         if sinks.shape[2]:
             s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
@@ -339,9 +380,9 @@ class TurboStore(RotatedStore):
         D, bs, W = self.head_dim, self.block_size, self.width
         g0, g1 = start // GROUP, -(-end // GROUP)
         K, a, nb = (g1 - g0) * GROUP, start - g0 * GROUP, D // bs
-        planes = self._gemm_nibbles(self.data[layer, :, :, :, g0:g1])  # (B, H, D / W, ng, 64, W / 2)
+        planes = self._gemm_nibbles(self._data[layer][:, :, :, g0:g1])  # (B, H, D / W, ng, 64, W / 2)
         planes = planes.reshape(B * H, D // W, K, W // 2)  # the GEMM's (N / T, K, T / 2) per head, N = D
-        d = self.scale[layer, :, :, :, g0 * GROUP : g1 * GROUP]  # (B, H, nb, K) bf16
+        d = self._scales[layer][..., g0 * GROUP : g1 * GROUP]  # (B, H, nb, K) bf16
         sinks = self._sinks(layer, start, end)
         m = sinks.shape[2]  # the sinks come from f16 below: no weight from their codes
         if bs % W == 0:  # each block whole tiles: x = p d, one GEMM per head and block (tq: per head)
@@ -360,7 +401,7 @@ class TurboStore(RotatedStore):
             unit = self._unit_scales(W, p.device).repeat_interleave(2, 0)[: K // 32]
             out = int4_gemm.weighted_sum(pw, planes.view(B, H, D // W, K, W // 2), d32, a, a + t, unit)
         # + c sum_t p_t past the sinks, in f32
-        out = torch.addcmul(out, p[..., m:].sum(-1, keepdim=True), self.offset[layer].transpose(1, 2))
+        out = torch.addcmul(out, p[..., m:].sum(-1, keepdim=True), self._v_offsets[layer])
         if m:
             out += p[..., :m] @ sinks
         return out
