@@ -6,7 +6,8 @@ A VARIANT names a TurboStore built for this run (registered here only, never in 
 dash-separated parts, defaults in brackets:
     b4 | b3 | b2            bits per code (required)
     blk64 | blk32           elements per scale block [blk64]
-    uni | lm | lmdata | g   codebook: uniform mid-rise grid, Lloyd-Max for N(0, 1), Lloyd-Max
+    uni | tread | lm |      codebook: uniform mid-rise grid, q4_0's mid-tread grid u - 2^(b-1) with
+    lmdata | g              a signed scale (q4_hadamard's rule), Lloyd-Max for N(0, 1), Lloyd-Max
                             fitted to this model's rotated, block-RMS-normalised K/V (text from
                             past the scored chunks of the file), or (3 bits) +-{0.5, 1.5, 2.5, 4.5},
                             Lloyd-Max's shape on the 4-bit grid the int4 GEMM reads [uni]
@@ -109,7 +110,7 @@ def variant(name: str) -> str:
             opts["bits"] = int(p[1])
         elif p in ("blk32", "blk64"):
             opts["block"] = int(p[3:])
-        elif p in ("uni", "lm", "lmdata", "g"):
+        elif p in ("uni", "tread", "lm", "lmdata", "g"):
             opts["book"] = p
         elif p in ("mse", "mse1", "rms", "norm"):
             opts["rule"] = p
@@ -124,9 +125,10 @@ def variant(name: str) -> str:
     if opts["bits"] is None:
         raise SystemExit(f"{name!r}: give the bits (b2, b3, b4)")
     b, bs = opts["bits"], opts["block"]
-    levels = {"uni": uniform_levels, "lm": lloyd_max_levels, "lmdata": data_codebook, "g": grid_levels}[opts["book"]](b)
+    levels = {"uni": uniform_levels, "tread": lambda b: uniform_levels(b, tread=True), "lm": lloyd_max_levels,
+              "lmdata": data_codebook, "g": grid_levels}[opts["book"]](b)
     rule, c = opts["rule"], gaussian_scale(levels)
-    attrs = dict(name=name, bits=b, block_size=bs, block_bytes=b * bs // 8 + 2, levels=levels,
+    attrs = dict(name=name, bits=b, block_size=bs, block_bytes=b * bs // 8 + 2, levels=levels, signed=opts["book"] == "tread",
                  n_sink=opts["sink"], offset_keys=opts["off"] != "o0", offset_values=opts["off"] == "okv")
 
     def quantize(self, y):

@@ -57,10 +57,11 @@ GROUP = 64  # value positions packed together (S for values), = PAD: whole group
 SCALE_GRID = tuple(round(0.30 + 0.05 * i, 2) for i in range(17))  # 0.30 .. 1.10
 
 
-def uniform_levels(bits: int) -> tuple[float, ...]:
-    """The mid-rise grid u - (2^b - 1) / 2, u = 0 .. 2^b - 1."""
+def uniform_levels(bits: int, tread: bool = False) -> tuple[float, ...]:
+    """The mid-rise grid u - (2^b - 1) / 2, u = 0 .. 2^b - 1; tread: q4_0's u - 2^(b-1), zero a level and
+    one extreme level more on the negative side (with a signed scale, on the side of a block's outlier)."""
     n = 1 << bits
-    return tuple(u - (n - 1) / 2 for u in range(n))
+    return tuple(u - (n // 2 if tread else (n - 1) / 2) for u in range(n))
 
 
 @functools.cache
@@ -118,22 +119,29 @@ def unpack_rows(p: torch.Tensor, bits: int, add: int = 0) -> torch.Tensor:
 def quantize_blocks(y: torch.Tensor, levels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """y (..., S) f32 -> d (..., 1) f32 holding bf16 values and u (..., S) uint8 with y ~ d levels[u],
     d the candidate (g max|y| / max|L| for g in grid, refit by least squares) of least squared error."""
-    uniform = torch.equal(levels.cpu(), torch.tensor(uniform_levels(len(levels).bit_length() - 1)))
+    lv = levels.tolist()
+    uniform = all(v - lv[0] == u for u, v in enumerate(lv))
     return search_scales(y, levels, grid / levels.abs().max(), uniform)
 
 
-def search_scales(y: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, uniform: bool
+def search_scales(y: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, uniform: bool, signed: bool = False
                   ) -> tuple[torch.Tensor, torch.Tensor]:
-    """quantize_blocks with the candidates made once: steps (G,) candidate scales over max|y|. Few ops
-    (decode runs it per token on a few vectors); uniform: levels is uniform_levels, its nearest level
-    found by rounding."""
+    """quantize_blocks with the candidates made once: steps (G,) candidate scales over max|y| (signed: over
+    the block's element of largest magnitude, with its sign, so that it can take an asymmetric grid's lone
+    extreme level, as q4_hadamard does). Few ops (decode runs it per token on a few vectors); uniform:
+    levels are L[0] + u, the nearest found by rounding."""
     n = len(levels)
-    amax = torch.linalg.vector_norm(y, math.inf, -1, keepdim=True)  # (..., 1) max|y|
-    d = steps.view(-1, *([1] * y.dim())) * amax.clamp_min_(1e-30)  # (G, ..., 1) candidates; y = 0 where amax is 0
-    z = y / d  # (G, ..., S)
-    if uniform:  # L[u] = u - (n - 1) / 2
-        u = z.add_(n // 2).floor_().clamp_(0, n - 1)
-        q = u - (n - 1) / 2
+    if signed:
+        m = y.gather(-1, y.abs().argmax(-1, keepdim=True))  # (..., 1)
+        d = steps.view(-1, *([1] * y.dim())) * m  # (G, ..., 1) candidates
+        z = y / torch.where(d == 0, 1.0, d)  # (G, ..., S); y = 0 where m is 0
+    else:
+        m = torch.linalg.vector_norm(y, math.inf, -1, keepdim=True)  # (..., 1) max|y|
+        z = y / (steps.view(-1, *([1] * y.dim())) * m.clamp_min_(1e-30))  # y = 0 where m is 0
+    if uniform:
+        lo = levels[0].item()
+        u = z.sub_(lo).round_().clamp_(0, n - 1)
+        q = u + lo
     else:
         u = torch.bucketize(z, (levels[1:] + levels[:-1]) / 2)
         q = levels.take(u)
@@ -151,6 +159,7 @@ class TurboStore(RotatedStore):
     levels: ClassVar[tuple[float, ...]]  # the codebook L, ascending, in units of the block's scale
     default_window: ClassVar[int] = 0  # newest positions kept in f16 (the cache-level window), none yet
     scale_grid: ClassVar[tuple[float, ...]] = SCALE_GRID
+    signed: ClassVar[bool] = False  # the scale's sign follows each block's largest element (for asymmetric L)
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -177,10 +186,13 @@ class TurboStore(RotatedStore):
         self._prepared = [0] * L  # prepare() calls per layer: the pair offsets below are of one generation
         self._pair_offsets: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
         self.lv = torch.tensor(self.levels, device=self.device)
-        self.steps = torch.tensor(self.scale_grid, device=self.device) / self.lv.abs().max()  # candidates / max|y|
-        # uniform: L[u] = u - mid, so d L[u] = d (u - 8) + d (8 - mid), the int4 GEMM's form plus a constant
+        # candidate scales over max|y| (signed: over the largest element, onto the lone extreme level L[0])
+        self.steps = torch.tensor(self.scale_grid, device=self.device) / (self.levels[0] if self.signed else
+                                                                           self.lv.abs().max())
+        # uniform: L[u] = u - mid, so d L[u] = d (u + 8 - 2^(b-1) - 8) + d zero: the int4 GEMM's (nibble - 8) s + z
         self.mid = -self.levels[0]
         self.uniform = all(v == u - self.mid for u, v in enumerate(self.levels))
+        self.zero = (1 << (self.bits - 1)) - self.mid  # 0 (tread) or 1/2 (mid-rise): exact in bf16
         self._columns: dict[tuple[int, int], torch.Tensor] = {}  # _pack_column's matrices
         self._units: dict[int, torch.Tensor] = {}  # N -> (n_pad / 64, N, 2) value-GEMM weights, made on first use
 
@@ -197,7 +209,8 @@ class TurboStore(RotatedStore):
     def quantize(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """y (B, T, H, D) f32 -> codes (B, T, H, D) uint8, scales (B, T, H, D / block) f32."""
         B, T, H, D = y.shape
-        d, u = search_scales(y.reshape(B, T, H, D // self.block_size, self.block_size), self.lv, self.steps, self.uniform)
+        d, u = search_scales(y.reshape(B, T, H, D // self.block_size, self.block_size), self.lv, self.steps,
+                             self.uniform, self.signed)
         return u.view(B, T, H, D), d.view(B, T, H, -1)
 
     def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
@@ -337,14 +350,14 @@ class TurboStore(RotatedStore):
         return self._sinks32[layer]
 
     def _gemm_nibbles(self, packed: torch.Tensor) -> torch.Tensor:
-        """Packed rows -> nibble tiles holding u + 8 - 2^(b-1), so that the GEMM's (nibble - 8) s + s / 2
-        is s (u - mid) = s L[u] exactly (a zero point of s / 2 is exact in bf16)."""
+        """Packed rows -> nibble tiles holding u + 8 - 2^(b-1), so that the GEMM's (nibble - 8) s + zero s
+        is s (u - mid) = s L[u] exactly (a zero point of s / 2 or 0 is exact in bf16)."""
         return unpack_rows(packed, self.bits, 8 - (1 << (self.bits - 1)))
 
     def _unit_scales(self, N: int, device) -> torch.Tensor:
-        """(n_pad / 64, N, 2) bf16: scale 1, zero point 1/2 per 64 positions, the value GEMM's (x carries p d)."""
+        """(n_pad / 64, N, 2) bf16: scale 1 and the zero point per 64 positions, the value GEMM's (x carries p d)."""
         if N not in self._units:
-            one = torch.tensor([1.0, 0.5], dtype=torch.bfloat16, device=device)
+            one = torch.tensor([1.0, self.zero], dtype=torch.bfloat16, device=device)
             self._units[N] = one.expand(self.n_pad // GROUP, N, 2).contiguous()
         return self._units[N]
 
@@ -363,7 +376,7 @@ class TurboStore(RotatedStore):
         n, a = (t1 - t0) * tw, start - t0 * tw
         tiles = self._gemm_nibbles(self._data[layer][:, :, t0:t1]).flatten(0, 1)  # (B H, nt, D, T / 2)
         d = self._scales[layer][..., t0 * tw : t1 * tw].flatten(0, 1)  # (B H, D / bs, n) bf16
-        sz = torch.stack([d, d * 0.5], -1)  # scale d, zero point d / 2: the GEMM gives d L[u]
+        sz = torch.stack([d, d * self.zero], -1)  # scale d, zero point d zero: the GEMM gives d L[u]
         s = torch.stack([int4_gemm.mm(x, w.view(n, D // 2), z, bs)
                          for x, w, z in zip(q.to(torch.bfloat16).flatten(0, 1), tiles, sz)])  # (B H, R, n) bf16
         # + q . c (B, H, R, D) @ (B, H, D, 1), in f32
