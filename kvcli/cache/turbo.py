@@ -426,19 +426,20 @@ class TurboStore(RotatedStore):
 class TQ4Store(TurboStore):
     name = "tq4"
     bits, block_size, block_bytes = 4, 64, 34  # 32 bytes of codes and a bf16 scale per 64 elements: 4.25 bits
-    levels = uniform_levels(4)
+    levels, signed = uniform_levels(4, tread=True), True  # -8 .. 7, the scale's sign after the block's largest
     scale_grid = tuple(round(0.75 + 0.05 * i, 2) for i in range(8))
 
 
 class TQ3Store(TurboStore):
     name = "tq3"
     bits, block_size, block_bytes = 3, 64, 26  # 24 bytes of codes and a bf16 scale per 64 elements: 3.25 bits
-    levels = uniform_levels(3)
-    scale_grid = tuple(round(0.50 + 0.08 * i, 2) for i in range(8))
+    levels, signed = uniform_levels(3, tread=True), True  # -4 .. 3
+    scale_grid = tuple(round(0.64 + 0.06 * i, 2) for i in range(8))
 
 
 class TQ2Store(TurboStore):
     name = "tq2"
     bits, block_size, block_bytes = 2, 64, 18  # 16 bytes of codes and a bf16 scale per 64 elements: 2.25 bits
-    levels = uniform_levels(2)
+    levels = uniform_levels(2)  # +-0.5, +-1.5: at 2 bits the symmetric grid measured better
+    offset_values = False  # keys only: values' offset measured worse at 2 bits
     scale_grid = tuple(round(0.25 + 0.09 * i, 2) for i in range(8))
