@@ -1,6 +1,7 @@
 """Decode tokens/s at a given cache depth for several cache types, measured in one run.
 
     python benchmarks/cache_decode.py [-m MODEL] [--depth 4096] [--n 32] [--reps 3] [--types f16,q8_0,q4_0,q4_hadamard]
+                                      [--fill-once]
 
 A type may name its recent window as --sweep does (q4_hadamard@0,q4_hadamard@16); without @, the
 type's default window.
@@ -8,6 +9,8 @@ type's default window.
 Types are interleaved within each repetition so machine noise hits them alike; the best
 repetition per type is reported beside the mean, and the speed relative to f16 is the median
 of the per-repetition ratios (each taken from runs seconds apart, so the least noisy figure).
+--fill-once fills each cache to the depth once and lets the repetitions continue from there
+(each n steps deeper, alike for every type): many short repetitions without a prefill each.
 """
 
 from __future__ import annotations
@@ -32,22 +35,28 @@ def main():
     ap.add_argument("--types", default="f16,q8_0,q4_0,q4_hadamard")
     ap.add_argument("--dtype", default="f16")
     ap.add_argument("--threads", type=int, default=None)
+    ap.add_argument("--fill-once", action="store_true")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     path = Path(a.model) if a.model else pull_default()
     types = a.types.split(",")
+    ctx = a.depth + a.n * (a.reps if a.fill_once else 1) + 1
     llms = {}
     for t in types:
         name, at, window = t.partition("@")
-        llms[t] = Llama(path, ctx_size=a.depth + a.n + 1, dtype=a.dtype, cache_type_k=name, cache_type_v=name,
+        llms[t] = Llama(path, ctx_size=ctx, dtype=a.dtype, cache_type_k=name, cache_type_v=name,
                         cache_window=int(window) if at else None)
     prompt = [(i * 7919) % 40000 + 100 for i in range(a.depth)]  # arbitrary ids: the speed does not care
     speeds: dict[str, list[float]] = {t: [] for t in types}
+    if a.fill_once:
+        for llm in llms.values():
+            llm.eval(prompt)  # fill the cache to the depth once (not timed)
     for _ in range(a.reps):
         for t, llm in llms.items():
-            llm.reset()
-            llm.eval(prompt)  # fill the cache to the depth (not timed)
+            if not a.fill_once:
+                llm.reset()
+                llm.eval(prompt)  # fill the cache to the depth (not timed)
             token = 200
             t0 = time.perf_counter()
             for _ in range(a.n):

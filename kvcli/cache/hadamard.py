@@ -25,6 +25,7 @@ the padding to 64 positions, all counted in `nbytes`.
 from __future__ import annotations
 
 import math
+from typing import ClassVar
 
 import torch
 
@@ -84,11 +85,58 @@ def _whole_tiles(n: int) -> int:
     return -(-n // PAD) * PAD
 
 
-class HadamardQ4Store(Store):
+class RotatedStore(Store):
+    """What the rotated types share (q4_hadamard here, tq4/tq3/tq2 in kvcli/cache/turbo.py): the
+    rotation R, the first n_sink positions kept as rotated f16, and the per-head offset c (steps 1
+    and 2 of the format above). Subclasses give the codes; `prepare` hands them y = R x - c."""
+
+    rotated = True
+    n_sink: ClassVar[int] = N_SINK
+    offset_keys: ClassVar[bool] = True  # subtract c from keys (exact: softmax ignores q . c)
+    offset_values: ClassVar[bool] = True  # and from values (exact: the weights sum to 1)
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
+        if D & (D - 1):
+            raise KvcliError(f"cache type {self.name} needs a power-of-two head size, got {D}")
+        self.rot = rotation(D).to(self.device)  # r = x @ rot.T
+        self.sink = torch.zeros(L, B, H, min(self.n_sink, n), D, dtype=torch.float16, device=self.device)
+        self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
+        self.offset_set = [False] * L
+        self.centred = self.offset_keys if self.keys else self.offset_values
+
+    def to_storage(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.rot.T
+
+    def from_storage(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.rot
+
+    def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
+        """Rotate x (B, T, H, D), keep the sinks, set the offset on a sequence's first batch past
+        them -> y = r - c, the values the codes hold."""
+        T = x.shape[1]
+        r = self.to_storage(x.float())  # (B, T, H, D)
+        if pos == 0:
+            self.offset_set[layer] = False  # a new sequence
+        if pos < self.n_sink:
+            n = min(T, self.n_sink - pos)
+            self.sink[layer, :, :, pos : pos + n] = r[:, :n].transpose(1, 2).half()
+        first = max(0, self.n_sink - pos)
+        if self.centred and not self.offset_set[layer] and first < T:
+            self.offset[layer] = r[:, first:].mean(dim=1, keepdim=True)
+            self.offset_set[layer] = True
+        return r - self.offset[layer]
+
+    def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0."""
+        return self.sink[layer, :, :, start : max(start, min(end, self.n_sink))].float()
+
+
+class HadamardQ4Store(RotatedStore):
     """Rotated, offset vectors as 4-bit codes in int4 GEMM tiles (keys and values differ), bf16 scales."""
 
     name = "q4_hadamard"
-    rotated = True
     default_window = 16  # f16 recent window (kvcli/cache/window.py): from KLD per size, benchmarks/README.md
     block_size, block_bytes = 32, 18  # 16 bytes of codes and a bf16 scale per 32 elements: 4.5 bits
 
@@ -103,10 +151,6 @@ class HadamardQ4Store(Store):
         shape = (self.n_pad // tw, D, tw // 2) if self.keys else (D // self.width, self.n_pad, self.width // 2)
         self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
         self.scale = lazy_zeros((L, B, H, D // 32, self.n_pad), torch.bfloat16, self.device)
-        self.rot = rotation(D).to(self.device)  # r = x @ rot.T
-        self.sink = torch.zeros(L, B, H, min(N_SINK, n), D, dtype=torch.float16, device=self.device)
-        self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
-        self.offset_set = [False] * L
         self._unit = None  # (n_pad / 32, W, 2) bf16 unit scales for the value GEMM, made on first use
         # fixed for the store's life: built once, not per layer and token where the kernels run
         self._layout = KernelLayout(Kind.HADAMARD_KEYS if self.keys else Kind.HADAMARD_VALUES, self.block_bytes,
@@ -121,29 +165,7 @@ class HadamardQ4Store(Store):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sink, self.offset))
 
-    def to_storage(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.rot.T
-
-    def from_storage(self, x: torch.Tensor) -> torch.Tensor:
-        return x @ self.rot
-
     # ---- writing ----
-    def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
-        """Rotate x (B, T, H, D), keep the sinks, set the offset on a sequence's first batch past
-        them -> y = r - c, the values the 4-bit codes hold."""
-        T = x.shape[1]
-        r = self.to_storage(x.float())  # (B, T, H, D)
-        if pos == 0:
-            self.offset_set[layer] = False  # a new sequence
-        if pos < N_SINK:
-            n = min(T, N_SINK - pos)
-            self.sink[layer, :, :, pos : pos + n] = r[:, :n].transpose(1, 2).half()
-        first = max(0, N_SINK - pos)
-        if not self.offset_set[layer] and first < T:
-            self.offset[layer] = r[:, first:].mean(dim=1, keepdim=True)
-            self.offset_set[layer] = True
-        return r - self.offset[layer]
-
     def kernel_layout(self) -> KernelLayout:
         return self._layout
 
@@ -205,10 +227,6 @@ class HadamardQ4Store(Store):
         planes = self.data[layer, :, :, :, start:end]  # (B, H, D / W, n, W / 2), W = self.width
         u = int4_gemm.unpack_pairs(planes)  # (B, H, D / W, n, W)
         return u.transpose(2, 3).reshape(B, H, end - start, D)
-
-    def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
-        """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0."""
-        return self.sink[layer, :, :, start : max(start, min(end, N_SINK))].float()
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Rotated-space vectors (B, H, end - start, D) f32."""

@@ -70,9 +70,10 @@ def tile_width() -> int | None:
         return None
 
 
-def _mm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor) -> torch.Tensor:
-    """x (M, K) bf16 @ W.T for packed w (N, K / 2) uint8 and scales sz (K / 32, N, 2) bf16 -> (M, N) bf16."""
-    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, GROUP, sz)
+def mm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, group: int = GROUP) -> torch.Tensor:
+    """x (M, K) bf16 @ W.T for packed w (N, K / 2) uint8 and scales sz (K / group, N, 2) bf16 -> (M, N) bf16;
+    group: 32, 64, 128 or 256 elements of K per scale."""
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
 
 
 def scores(q: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, start: int, end: int) -> torch.Tensor:
@@ -86,7 +87,7 @@ def scores(q: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, start: int
     s = scale[..., t0 * T : t1 * T]
     sz = torch.stack([s, s.new_zeros(()).expand_as(s)], -1)  # (B, H, nb, n, 2): scale, zero point 0
     qb = q.to(torch.bfloat16)
-    out = torch.stack([_mm(qb[b, h], tiles[b, h, t0:t1].view(n, D // 2), sz[b, h])
+    out = torch.stack([mm(qb[b, h], tiles[b, h, t0:t1].view(n, D // 2), sz[b, h])
                        for b in range(B) for h in range(H)])  # (B * H, R, n)
     return out.view(B, H, R, n)[..., start - t0 * T : end - t0 * T].float()
 
@@ -109,7 +110,7 @@ def weighted_sum(p: torch.Tensor, planes: torch.Tensor, scale: torch.Tensor, sta
     if skip:
         x[..., start - a : start - a + skip] = 0
     sz = unit[: (z - a) // GROUP, :T]
-    out = torch.stack([_mm(x[b, h, i].view(nb * R, z - a), planes[b, h, i, a:z].view(T, (z - a) // 2), sz)
+    out = torch.stack([mm(x[b, h, i].view(nb * R, z - a), planes[b, h, i, a:z].view(T, (z - a) // 2), sz)
                        for b in range(B) for h in range(H) for i in range(nt)])  # (B * H * nt, nb R, T)
     # row (r, c) of tile i is the sum with block nb i + c's scales: keep its own 32 columns
     out = out.view(B, H, nt, R, nb, nb, GROUP).diagonal(dim1=4, dim2=5)  # (B, H, nt, R, 32, nb)

@@ -1,0 +1,445 @@
+"""tq4, tq3, tq2: rotated low-bit caches (TurboQuant's rotation and scalar codebook, arXiv
+2504.19874, with q4_hadamard's offset, sinks and least-squares scales).
+
+The format, in one place. For each layer, sequence and KV head, a head vector x (D, a power of
+two and a multiple of the block) is
+  1. rotated and offset as in q4_hadamard (kvcli/cache/hadamard.py, RotatedStore): y = R x - c,
+     R the signed Walsh-Hadamard rotation, c the per-head mean of the first batch past the
+     sinks; the first N_SINK positions are also kept as rotated f16 and read in place of
+     their codes;
+  2. quantized in blocks of `block_size` elements: y ~ d L[u], u a b-bit code, L the type's
+     codebook (2^b levels in units of d), d one bf16 scale per block chosen to minimise the
+     block's squared error: candidates g max|y| / max|L| over a grid of g, each refit by least
+     squares for its codes (not TurboQuant's stored norm);
+  3. laid out as q4_hadamard's codes, in the tiles torch's int4 CPU GEMM reads (T = 32 or 64
+     rows as it packs them on the running CPU, kvcli/cache/int4_gemm.py), one code per nibble:
+       keys:   tiles (n_pad / T, D, T / 2); byte (i, e, j) = element e of positions T i + j (low
+               nibble) and T i + j + T / 2 (high);
+       values: planes (D / W, n_pad, W / 2), W = min(T, D); byte (i, t, j) = elements W i + j
+               (low) and W i + j + W / 2 (high) of position t;
+     then squeezed to b bits by packing rows S at a time (keys: a tile's S = D element rows;
+     values: groups of S = 64 positions), a row r of the packed group holding, in each nibble,
+       b = 4: row r as it is;
+       b = 2: bits 0-1 the code of row r, bits 2-3 that of row r + S / 2 (S / 2 rows);
+       b = 3: the same for the low two bits (S / 2 rows), then S / 4 rows of third bits: bit k
+              of row S / 2 + r's nibble is bit 2 of row r + k S / 4's code.
+     Stored: keys (n_pad / T, b D / 4, T / 2), values (D / W, n_pad / 64, 16 b, W / 2) bytes per
+     head, scales (D / block_size, n_pad) bf16 per head; n_pad = n_ctx rounded up to 64.
+Bits per element: b + 16 / block_size. Fixed costs, counted in `nbytes`: the sinks (N_SINK D
+f16) and offsets (D f32) per layer and head, and the padding to 64 positions.
+
+Decode (a few query rows on the CPU) with a uniform codebook, L[u] = u - (2^b - 1) / 2, reads
+the codes as they lie: the packed rows are widened back to nibble tiles with a few int32 bit
+operations over the chunk's bytes (no floats), then torch's int4 GEMM takes the tiles, with zero
+points making its (nibble - 8) s + z equal s L[u]: scores q . d L[u] per head with group = block
+(a scale per block and position), weighted sums sum_t p_t d_t L[u_t] per head with x = p d; the
+offset and the sinks are added outside. Other codebooks dequantize. Figures: benchmarks/README.md.
+No Triton kernel reads these layouts yet (kernel_layout() is None): on CUDA the PyTorch
+reference runs.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import ClassVar
+
+import torch
+
+from kvcli.cache import block_products, int4_gemm
+from kvcli.cache.hadamard import PAD, RotatedStore, _whole_tiles
+from kvcli.errors import KvcliError
+from kvcli.memory import lazy_zeros
+
+GROUP = 64  # value positions packed together (S for values), = PAD: whole groups in every store
+# Scale candidates g max|y| / max|L| per block, each refit by least squares for its codes: a wide grid
+# for any codebook, and each tq type's own 8 (the range its blocks pick, benchmarks/README.md).
+SCALE_GRID = tuple(round(0.30 + 0.05 * i, 2) for i in range(17))  # 0.30 .. 1.10
+
+
+def uniform_levels(bits: int, tread: bool = False) -> tuple[float, ...]:
+    """The mid-rise grid u - (2^b - 1) / 2, u = 0 .. 2^b - 1; tread: q4_0's u - 2^(b-1), zero a level and
+    one extreme level more on the negative side (with a signed scale, on the side of a block's outlier)."""
+    n = 1 << bits
+    return tuple(u - (n // 2 if tread else (n - 1) / 2) for u in range(n))
+
+
+@functools.cache
+def lloyd_max_levels(bits: int, iters: int = 500) -> tuple[float, ...]:
+    """Lloyd-Max levels for a standard Gaussian (TurboQuant's codebook for rotated coordinates):
+    each level the mean of N(0, 1) between its neighbours' midpoints. Max 1960's tables: 2 bits
+    +-0.4528, +-1.5104."""
+    phi = lambda t: math.exp(-t * t / 2) / math.sqrt(2 * math.pi)  # noqa: E731
+    cdf = lambda t: 0.5 * (1 + math.erf(t / math.sqrt(2)))  # noqa: E731
+    n = 1 << bits
+    lv = [3.0 * (2 * i + 1 - n) / n for i in range(n)]
+    for _ in range(iters):
+        edges = [-math.inf] + [(a + b) / 2 for a, b in zip(lv, lv[1:])] + [math.inf]
+        lv = [(phi(a) - phi(b)) / (cdf(b) - cdf(a)) for a, b in zip(edges, edges[1:])]
+    return tuple(lv)
+
+
+# ---- packing b-bit codes into rows (the format's step 3) ----
+
+_SHIFT2 = torch.tensor([0, 2], dtype=torch.int32).view(2, 1, 1)
+_SHIFT4 = torch.tensor([0, 1, 2, 3], dtype=torch.int32).view(4, 1, 1)
+
+
+def pack_rows(n: torch.Tensor, bits: int) -> torch.Tensor:
+    """Nibble rows (..., S, C) uint8, a b-bit code in each nibble -> the packed (..., b S / 4, C)."""
+    if bits == 4:
+        return n
+    S = n.shape[-2]
+    low = (n[..., : S // 2, :] & 0x33) | ((n[..., S // 2 :, :] & 0x33) << 2)
+    if bits == 2:
+        return low
+    high = [((n[..., k * S // 4 : (k + 1) * S // 4, :] >> 2) & 0x11) << k for k in range(4)]
+    return torch.cat([low, high[0] | high[1] | high[2] | high[3]], -2)
+
+
+def unpack_rows(p: torch.Tensor, bits: int, add: int = 0) -> torch.Tensor:
+    """Packed (..., b S / 4, C) -> nibble rows (..., S, C) uint8 (plus `add` in every nibble, the sum
+    below 16), C a multiple of 4: int32 shifts and masks over the bytes (bits moving across a byte
+    boundary land where the mask drops them)."""
+    if bits == 4:
+        return p if not add else (p.view(torch.int32) + add * 0x11111111).view(torch.uint8)
+    lead, C, S = p.shape[:-2], p.shape[-1], p.shape[-2] * 4 // bits
+    low = p[..., : S // 2, :].view(torch.int32).unsqueeze(-3)  # (..., 1, S / 2, C / 4)
+    n = (low >> _SHIFT2.to(p.device)).bitwise_and_(0x33333333).view(*lead, S, C // 4)  # rows r, r + S / 2
+    if bits == 3:
+        high = p[..., S // 2 :, :].view(torch.int32).unsqueeze(-3)  # (..., 1, S / 4, C / 4)
+        n.add_((high >> _SHIFT4.to(p.device)).bitwise_and_(0x11111111).view(*lead, S, C // 4), alpha=4)
+    if add:
+        n.add_(add * 0x11111111)
+    return n.view(torch.uint8)
+
+
+# ---- the quantizer (step 2) ----
+
+def quantize_blocks(y: torch.Tensor, levels: torch.Tensor, grid: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """y (..., S) f32 -> d (..., 1) f32 holding bf16 values and u (..., S) uint8 with y ~ d levels[u],
+    d the candidate (g max|y| / max|L| for g in grid, refit by least squares) of least squared error."""
+    lv = levels.tolist()
+    uniform = all(v - lv[0] == u for u, v in enumerate(lv))
+    return search_scales(y, levels, grid / levels.abs().max(), uniform)
+
+
+def search_scales(y: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, uniform: bool, signed: bool = False
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """quantize_blocks with the candidates made once: steps (G,) candidate scales over max|y| (signed: over
+    the block's element of largest magnitude, with its sign, so that it can take an asymmetric grid's lone
+    extreme level, as q4_hadamard does). Few ops (decode runs it per token on a few vectors); uniform:
+    levels are L[0] + u, the nearest found by rounding."""
+    n = len(levels)
+    if signed:
+        m = y.gather(-1, y.abs().argmax(-1, keepdim=True))  # (..., 1)
+        d = steps.view(-1, *([1] * y.dim())) * m  # (G, ..., 1) candidates
+        z = y / torch.where(d == 0, 1.0, d)  # (G, ..., S); y = 0 where m is 0
+    else:
+        m = torch.linalg.vector_norm(y, math.inf, -1, keepdim=True)  # (..., 1) max|y|
+        z = y / (steps.view(-1, *([1] * y.dim())) * m.clamp_min_(1e-30))  # y = 0 where m is 0
+    if uniform:
+        lo = levels[0].item()
+        u = z.sub_(lo).round_().clamp_(0, n - 1)
+        q = u + lo
+    else:
+        u = torch.bucketize(z, (levels[1:] + levels[:-1]) / 2)
+        q = levels.take(u)
+    qy, qq = torch.linalg.vecdot(q, y)[..., None], torch.linalg.vecdot(q, q)[..., None].clamp_min_(1e-30)
+    d = (qy / qq).bfloat16().float()  # the least-squares scale, as stored
+    best = torch.sub(d * qq, qy, alpha=2).mul_(d).argmin(0, keepdim=True)  # |y - d q|^2 - |y|^2, bf16 d
+    return d.gather(0, best)[0], u.gather(0, best.expand(1, *u.shape[1:]))[0].to(torch.uint8)
+
+
+class TurboStore(RotatedStore):
+    """Rotated, offset vectors as b-bit codes (see the module's docstring); subclasses set name, bits,
+    block_size, block_bytes and levels."""
+
+    bits: ClassVar[int]
+    levels: ClassVar[tuple[float, ...]]  # the codebook L, ascending, in units of the block's scale
+    default_window: ClassVar[int] = 0  # newest positions kept in f16 (the cache-level window), none yet
+    scale_grid: ClassVar[tuple[float, ...]] = SCALE_GRID
+    signed: ClassVar[bool] = False  # the scale's sign follows each block's largest element (for asymmetric L)
+
+    def __init_subclass__(cls, **kwargs):
+        super().__init_subclass__(**kwargs)
+        if "name" in cls.__dict__ and cls.block_bytes != cls.bits * cls.block_size // 8 + 2:
+            raise KvcliError(f"{cls.name}: block_bytes must be the codes plus one bf16 scale")
+
+    def __init__(self, *args, tile: int | None = None, **kwargs):
+        """tile: T, the tile width (64 or 32); by default the one the running CPU's int4 GEMM packs, else 64."""
+        super().__init__(*args, **kwargs)
+        L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
+        self.n_pad = _whole_tiles(n)
+        self.tile = tile or int4_gemm.tile_width() or PAD
+        self.width = min(self.tile, D)  # W: elements per value tile
+        b = self.bits
+        shape = ((self.n_pad // self.tile, b * D // 4, self.tile // 2) if self.keys
+                 else (D // self.width, self.n_pad // GROUP, 16 * b, self.width // 2))
+        self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
+        self.scale = lazy_zeros((L, B, H, D // self.block_size, self.n_pad), torch.bfloat16, self.device)
+        # per-layer views and read-side forms, made once: decode runs a few dozen small ops per layer and token
+        self._data, self._scales = self.data.unbind(0), self.scale.unbind(0)
+        self._k_offsets = self.offset.permute(0, 1, 3, 4, 2).unbind(0)  # (B, H, D, 1) views, for q . c
+        self._v_offsets = self.offset.transpose(2, 3).unbind(0)  # (B, H, 1, D) views
+        self._sinks32: list[torch.Tensor | None] = [None] * L  # (B, H, n_sink, D) f32 copies, made on first read
+        self._prepared = [0] * L  # prepare() calls per layer: the pair offsets below are of one generation
+        self._pair_offsets: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
+        self.lv = torch.tensor(self.levels, device=self.device)
+        # candidate scales over max|y| (signed: over the largest element, onto the lone extreme level L[0])
+        self.steps = torch.tensor(self.scale_grid, device=self.device) / (self.levels[0] if self.signed else
+                                                                           self.lv.abs().max())
+        # uniform: L[u] = u - mid, so d L[u] = d (u + 8 - 2^(b-1) - 8) + d zero: the int4 GEMM's (nibble - 8) s + z
+        self.mid = -self.levels[0]
+        self.uniform = all(v == u - self.mid for u, v in enumerate(self.levels))
+        self.zero = (1 << (self.bits - 1)) - self.mid  # 0 (tread) or 1/2 (mid-rise): exact in bf16
+        self._columns: dict[tuple[int, int], torch.Tensor] = {}  # _pack_column's matrices
+        self._units: dict[int, torch.Tensor] = {}  # N -> (n_pad / 64, N, 2) value-GEMM weights, made on first use
+
+    @classmethod
+    def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
+        per_layer = (_whole_tiles(n_ctx) * kv_dim // cls.block_size * cls.block_bytes
+                     + kv_dim * (min(cls.n_sink, n_ctx) * 2 + 4))
+        return n_layers * batch * per_layer
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sink, self.offset))
+
+    # ---- writing ----
+    def quantize(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """y (B, T, H, D) f32 -> codes (B, T, H, D) uint8, scales (B, T, H, D / block) f32."""
+        B, T, H, D = y.shape
+        d, u = search_scales(y.reshape(B, T, H, D // self.block_size, self.block_size), self.lv, self.steps,
+                             self.uniform, self.signed)
+        return u.view(B, T, H, D), d.view(B, T, H, -1)
+
+    def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
+        self._prepared[layer] += 1  # the offset may change
+        if pos < self.n_sink:
+            self._sinks32[layer] = None
+        return super().prepare(layer, x, pos)
+
+    def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        self.put(layer, *self.quantize(self.prepare(layer, x, pos)), pos)
+
+    def store_pair(self, other: "TurboStore", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
+        """K here, V in `other`, quantized in one pass (the scale search's ops run once per token)."""
+        B, T, H, D = x.shape
+        if T == 1 and pos >= self.n_sink and self.ready(layer) and other.ready(layer):
+            # decode past the sinks, offsets set: prepare's rotation and offsets for both at once, then each
+            # store's bits of this one position
+            u, d = self.quantize((torch.cat([x, y]).float() @ self.rot.T).sub_(self._both_offsets(other, layer)))
+            (uk, uv), (dk, dv) = u.view(2, B, H, D).unbind(0), d.view(2, B, H, -1).unbind(0)
+            self._scales[layer][..., pos] = dk
+            self._put_one(layer, uk, pos)
+            other._scales[layer][..., pos] = dv
+            other._put_one(layer, uv, pos)
+            return
+        u, d = self.quantize(torch.cat([self.prepare(layer, x, pos), other.prepare(layer, y, pos)]))
+        self.put(layer, u[:B], d[:B], pos)
+        other.put(layer, u[B:], d[B:], pos)
+
+    def _both_offsets(self, other: "TurboStore", layer: int) -> torch.Tensor:
+        """(2 B, 1, H, D): this store's offset c of `layer`, then other's, joined once per generation."""
+        key = (self._prepared[layer], other._prepared[layer])
+        if self._pair_offsets.get(layer, (None,))[0] != key:
+            self._pair_offsets[layer] = key, torch.cat([self.offset[layer], other.offset[layer]])
+        return self._pair_offsets[layer][1]
+
+    def ready(self, layer: int) -> bool:
+        """Has this layer's offset been set (or does this store use none)?"""
+        return self.offset_set[layer] or not self.centred
+
+    def put(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: int) -> None:
+        """Codes u (B, T, H, D) and scales d (B, T, H, D / block) into positions pos..pos+T-1."""
+        B, T, H, D = u.shape
+        b, tw, W = self.bits, self.tile, self.width
+        if T == 1:  # decode: rewrite only this position's bits
+            self._scales[layer][..., pos] = d[:, 0]
+            self._put_one(layer, u[:, 0], pos)
+            return
+        self.scale[layer, :, :, :, pos : pos + T] = d.permute(0, 2, 3, 1)
+        if self.keys:  # the touched tiles, unpacked, updated, packed again
+            t0, t1 = pos // tw, -(-(pos + T) // tw)
+            tiles = self.data[layer, :, :, t0:t1]  # (B, H, nt, b D / 4, T / 2)
+            codes = self._key_codes(unpack_rows(tiles, b))
+            codes[:, :, pos - tw * t0 : pos - tw * t0 + T] = u.transpose(1, 2)
+            tiles.copy_(pack_rows(int4_gemm.pack_pairs(codes.view(B, H, t1 - t0, tw, D).transpose(-1, -2)), b))
+        else:  # the touched groups of 64 positions likewise
+            g0, g1 = pos // GROUP, -(-(pos + T) // GROUP)
+            groups = self.data[layer, :, :, :, g0:g1]  # (B, H, D / W, ng, 16 b, W / 2)
+            codes = self._value_codes(unpack_rows(groups, b))
+            codes[:, :, pos - GROUP * g0 : pos - GROUP * g0 + T] = u.transpose(1, 2)
+            planes = codes.view(B, H, g1 - g0, GROUP, D // W, W).permute(0, 1, 4, 2, 3, 5)
+            groups.copy_(pack_rows(int4_gemm.pack_pairs(planes), b))
+
+    def _put_one(self, layer: int, u: torch.Tensor, pos: int) -> None:
+        """u (B, H, D) uint8: the codes of position pos, into the bits that hold it (read-modify-write)."""
+        B, H, D = u.shape
+        b, tw, W = self.bits, self.tile, self.width
+        if self.keys:  # one nibble in each packed row of column pos % (T / 2) of tile pos // T
+            high = pos % tw >= tw // 2
+            col = self._data[layer][:, :, pos // tw, :, pos % (tw // 2)]  # (B, H, b D / 4), a view
+            col.copy_((col & (0x0F if high else 0xF0)) | self._pack_column(u, 16 if high else 1))
+            return
+        nib = int4_gemm.pack_pairs(u.view(B, H, D // W, W))  # (B, H, D / W, W / 2): this position's bytes
+        rows = self._data[layer][:, :, :, pos // GROUP]  # (B, H, D / W, 16 b, W / 2), a view
+        s = pos % GROUP
+        if b == 4:
+            rows[..., s, :] = nib
+            return
+        f, r = divmod(s, GROUP // 2)  # 2-bit field f of packed row r
+        rows[..., r, :] = (rows[..., r, :] & (0xFF ^ (0x33 << 2 * f))) | ((nib & 0x33) << 2 * f)
+        if b == 3:
+            k, r = divmod(s, GROUP // 4)  # third bits: bit k of packed row S / 2 + r
+            r += GROUP // 2
+            rows[..., r, :] = (rows[..., r, :] & (0xFF ^ (0x11 << k))) | (((nib >> 2) & 0x11) << k)
+
+    def _pack_column(self, u: torch.Tensor, nibble: int) -> torch.Tensor:
+        """One key position's codes u (B, H, D) -> its nibble (times 1 or 16) of each packed row (B, H, b D / 4):
+        pack_rows as one small matmul (exact in f32), since decode writes one per layer and token."""
+        if self.bits == 4:
+            return u * nibble
+        if (self.bits, nibble) not in self._columns:
+            D, b = self.head_dim, self.bits
+            eye = torch.eye(D, device=u.device)
+            m = eye[: D // 2] + 4 * eye[D // 2 :]  # the 2-bit rows: code r + 4 code r + D / 2
+            if b == 3:  # then sum_k 2^k (bit 2 of code r + k D / 4), over [u & 3, u >> 2]
+                m = torch.block_diag(m, sum(2**k * eye[k * D // 4 : (k + 1) * D // 4] for k in range(4)))
+            self._columns[self.bits, nibble] = m.T * nibble
+        parts = torch.cat([u & 3, u >> 2], -1) if self.bits == 3 else u
+        return (parts.float() @ self._columns[self.bits, nibble]).to(torch.uint8)
+
+    # ---- reading ----
+    def _key_codes(self, tiles: torch.Tensor) -> torch.Tensor:
+        """Nibble tiles (B, H, nt, D, T / 2) -> the codes of their T nt positions (B, H, T nt, D) uint8."""
+        return int4_gemm.unpack_pairs(tiles).transpose(-1, -2).reshape(self.batch, self.n_heads, -1, self.head_dim)
+
+    def _value_codes(self, planes: torch.Tensor) -> torch.Tensor:
+        """Nibble planes (B, H, D / W, ng, 64, W / 2) -> the codes of their 64 ng positions (B, H, 64 ng, D)."""
+        u = int4_gemm.unpack_pairs(planes)  # (B, H, D / W, ng, 64, W)
+        return u.permute(0, 1, 3, 4, 2, 5).reshape(self.batch, self.n_heads, -1, self.head_dim)
+
+    def codes(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """The codes of positions start..end-1 as (B, H, end - start, D) uint8."""
+        span = self.tile if self.keys else GROUP
+        a, z = start // span, -(-end // span)
+        if self.keys:
+            u = self._key_codes(unpack_rows(self.data[layer, :, :, a:z], self.bits))
+        else:
+            u = self._value_codes(unpack_rows(self.data[layer, :, :, :, a:z], self.bits))
+        return u[:, :, start - span * a : end - span * a]
+
+    def load(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """Rotated-space vectors (B, H, end - start, D) f32."""
+        B, H, n, D = self.batch, self.n_heads, end - start, self.head_dim
+        u = self.codes(layer, start, end)
+        y = u.float().sub_(self.mid) if self.uniform else self.lv[u.long()]
+        y = y.view(B, H, n, D // self.block_size, self.block_size)
+        y = y.mul_(self.scale[layer, :, :, :, start:end].transpose(-1, -2)[..., None]).view(B, H, n, D)
+        y.add_(self.offset[layer].transpose(1, 2))  # (B, H, 1, D)
+        sinks = self._sinks(layer, start, end)
+        y[:, :, : sinks.shape[2]] = sinks
+        return y
+
+    def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
+        if start or end < self.n_sink:
+            return super()._sinks(layer, start, end)
+        if self._sinks32[layer] is None:  # all of them, as decode reads them: converted once
+            self._sinks32[layer] = super()._sinks(layer, 0, self.n_sink)
+        return self._sinks32[layer]
+
+    def _gemm_nibbles(self, packed: torch.Tensor) -> torch.Tensor:
+        """Packed rows -> nibble tiles holding u + 8 - 2^(b-1), so that the GEMM's (nibble - 8) s + zero s
+        is s (u - mid) = s L[u] exactly (a zero point of s / 2 or 0 is exact in bf16)."""
+        return unpack_rows(packed, self.bits, 8 - (1 << (self.bits - 1)))
+
+    def _unit_scales(self, N: int, device) -> torch.Tensor:
+        """(n_pad / 64, N, 2) bf16: scale 1 and the zero point per 64 positions, the value GEMM's (x carries p d)."""
+        if N not in self._units:
+            one = torch.tensor([1.0, self.zero], dtype=torch.bfloat16, device=device)
+            self._units[N] = one.expand(self.n_pad // GROUP, N, 2).contiguous()
+        return self._units[N]
+
+    def gemm(self, x: torch.Tensor) -> bool:
+        """Decode products through the int4 GEMM? A uniform codebook, a few query rows on the CPU, the tile
+        width torch packs (value tiles as wide as it: W = T)."""
+        return (self.uniform and x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
+                and self.width == self.tile and int4_gemm.tile_width() == self.tile)
+
+    def scores(self, layer, q, start, end):
+        if not self.gemm(q):
+            return super().scores(layer, q, start, end)  # through load
+        B, H, R, D = q.shape
+        tw, bs = self.tile, self.block_size
+        t0, t1 = start // tw, -(-end // tw)
+        n, a = (t1 - t0) * tw, start - t0 * tw
+        tiles = self._gemm_nibbles(self._data[layer][:, :, t0:t1]).flatten(0, 1)  # (B H, nt, D, T / 2)
+        d = self._scales[layer][..., t0 * tw : t1 * tw].flatten(0, 1)  # (B H, D / bs, n) bf16
+        sz = torch.stack([d, d * self.zero], -1)  # scale d, zero point d zero: the GEMM gives d L[u]
+        s = torch.stack([int4_gemm.mm(x, w.view(n, D // 2), z, bs)
+                         for x, w, z in zip(q.to(torch.bfloat16).flatten(0, 1), tiles, sz)])  # (B H, R, n) bf16
+        # + q . c (B, H, R, D) @ (B, H, D, 1), in f32
+        s = torch.add(s.view(B, H, R, n)[..., a : a + end - start], q @ self._k_offsets[layer])
+        sinks = self._sinks(layer, start, end)
+        if sinks.shape[2]:
+            s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
+        return s
+
+    def weighted_sum(self, layer, p, start, end):
+        if not self.gemm(p):
+            return super().weighted_sum(layer, p, start, end)
+        B, H, R, t = p.shape
+        D, bs, W = self.head_dim, self.block_size, self.width
+        g0, g1 = start // GROUP, -(-end // GROUP)
+        K, a, nb = (g1 - g0) * GROUP, start - g0 * GROUP, D // bs
+        planes = self._gemm_nibbles(self._data[layer][:, :, :, g0:g1])  # (B, H, D / W, ng, 64, W / 2)
+        planes = planes.reshape(B * H, D // W, K, W // 2)  # the GEMM's (N / T, K, T / 2) per head, N = D
+        d = self._scales[layer][..., g0 * GROUP : g1 * GROUP]  # (B, H, nb, K) bf16
+        sinks = self._sinks(layer, start, end)
+        m = sinks.shape[2]  # the sinks come from f16 below: no weight from their codes
+        if bs % W == 0:  # each block whole tiles: x = p d, one GEMM per head and block (tq: per head)
+            x = torch.zeros(B * H, nb, R, K, dtype=torch.bfloat16, device=p.device)
+            x[..., a : a + t] = (p[:, :, None] * d[..., None, a : a + t]).flatten(0, 1)  # (B H, nb, R, t)
+            x[..., a : a + m] = 0
+            unit = self._unit_scales(bs, p.device)[: K // GROUP]
+            tb = bs // W  # tiles per block
+            out = torch.stack([int4_gemm.mm(xh[j], wh[j * tb : (j + 1) * tb].reshape(bs, K // 2), unit, GROUP)
+                               for xh, wh in zip(x, planes) for j in range(nb)])  # (B H nb, R, bs)
+            out = out.view(B, H, nb, R, bs).transpose(2, 3).reshape(B, H, R, D)
+        else:  # blocks narrower than a tile: q4_hadamard's per-tile products, its blocks of 32
+            pw = p.clone()
+            pw[..., :m] = 0
+            d32 = d.repeat_interleave(bs // 32, 2)  # (B, H, D / 32, K)
+            unit = self._unit_scales(W, p.device).repeat_interleave(2, 0)[: K // 32]
+            out = int4_gemm.weighted_sum(pw, planes.view(B, H, D // W, K, W // 2), d32, a, a + t, unit)
+        # + c sum_t p_t past the sinks, in f32
+        out = torch.addcmul(out, p[..., m:].sum(-1, keepdim=True), self._v_offsets[layer])
+        if m:
+            out += p[..., :m] @ sinks
+        return out
+
+    def kernel_layout(self):
+        return None  # no Triton kernel reads these layouts yet: the PyTorch reference runs on CUDA
+
+
+class TQ4Store(TurboStore):
+    name = "tq4"
+    bits, block_size, block_bytes = 4, 64, 34  # 32 bytes of codes and a bf16 scale per 64 elements: 4.25 bits
+    levels, signed = uniform_levels(4, tread=True), True  # -8 .. 7, the scale's sign after the block's largest
+    scale_grid = tuple(round(0.75 + 0.05 * i, 2) for i in range(8))
+
+
+class TQ3Store(TurboStore):
+    name = "tq3"
+    bits, block_size, block_bytes = 3, 64, 26  # 24 bytes of codes and a bf16 scale per 64 elements: 3.25 bits
+    levels, signed = uniform_levels(3, tread=True), True  # -4 .. 3
+    scale_grid = tuple(round(0.64 + 0.06 * i, 2) for i in range(8))
+
+
+class TQ2Store(TurboStore):
+    name = "tq2"
+    bits, block_size, block_bytes = 2, 64, 18  # 16 bytes of codes and a bf16 scale per 64 elements: 2.25 bits
+    levels = uniform_levels(2)  # +-0.5, +-1.5: at 2 bits the symmetric grid measured better
+    offset_values = False  # keys only: values' offset measured worse at 2 bits
+    scale_grid = tuple(round(0.25 + 0.09 * i, 2) for i in range(8))
