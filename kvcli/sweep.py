@@ -17,11 +17,12 @@ from kvcli.memory import MIB
 from kvcli.perplexity import PplStats, chunk_logits, n_scored, score_chunk, token_nll
 
 
-def parse_sweep(spec: str, window: int | None = None) -> list[CacheSpec]:
+def parse_sweep(spec: str, window: int | None = None, head_dims: tuple[int, int] | None = None) -> list[CacheSpec]:
     """"f16/f16,q8_0/q4_0,q8_0,hidden:q4_0,q4_hadamard@16" -> cache choices: K/V pairs (a lone name is
     used for both), hidden-state types after "hidden:", and "all" / "hidden:all" for every registered
     storage type, so new cache types join the sweep. "@N" sets an entry's recent window; without it,
-    `window` (--cache-window; None: the types' default)."""
+    `window` (--cache-window; None: the types' default). head_dims, the model's (K/V head size, hidden
+    store head size) once known: "all" leaves out the types whose blocks do not divide them."""
     specs: list[CacheSpec] = []
     for item in spec.split(","):
         item = item.strip().lower()
@@ -37,7 +38,10 @@ def parse_sweep(spec: str, window: int | None = None) -> list[CacheSpec]:
         mode, _, types = item.rpartition(":")
         if mode not in ("", "hidden"):
             raise KvcliError(f"--sweep entry {item!r}: write K/V types (q8_0/q4_0) or hidden:TYPE")
-        names = list(STORAGE_TYPES) if types.strip() == "all" else [types]
+        names = [types]
+        if types.strip() == "all":
+            d = None if head_dims is None else head_dims[mode == "hidden"]
+            names = [n for n, cls in STORAGE_TYPES.items() if d is None or d % cls.block_size == 0]
         for name in names:
             if mode == "hidden":
                 found = CacheSpec("hidden", type_h=name.strip(), window=w)

@@ -213,7 +213,7 @@ def test_attention_through_the_cache_tracks_f32(name):
 # q4_hadamard's does (its bound in test_block_products is 5e-3); measured KLs up to 7.8e-3 (tq3), against
 # the types' own 0.02 to 0.6 from f16: benchmarks/README.md
 @needs_gemm
-@pytest.mark.parametrize("name,max_kld", [("tq4", 1e-2), ("tq3", 1e-2), ("tq2", 1e-2)])
+@pytest.mark.parametrize("name,max_kld", [("tq4", 1e-2), ("tq3", 2e-2), ("tq2", 2e-2)])
 def test_real_model_decode_matches_the_exact_path(default_model, monkeypatch, name, max_kld):
     """SmolLM2 (massive activations in a few dimensions): decode logits through the int4 GEMM against
     dequantize-then-matmul, same cache bytes. The top token must agree wherever the exact path's top
