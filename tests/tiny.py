@@ -8,6 +8,8 @@ import gguf
 import numpy as np
 import torch
 
+from kvcli.tokenizer import bytes_to_unicode
+
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
     """Hugging Face rotate-half rows -> GGUF adjacent-pair rows (llama.cpp's `permute`)."""
@@ -21,14 +23,7 @@ def llama_unpermute(w: np.ndarray, n_head: int) -> np.ndarray:
 
 def byte_vocab() -> tuple[list[str], list[int]]:
     """A GPT-2 byte-level vocab: the 256 byte symbols, a few merges' results, one control token."""
-    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    cs, n = bs[:], 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    tokens = [chr(c) for c in cs] + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
+    tokens = list(bytes_to_unicode().values()) + ["Ġt", "he", "Ġthe", "<|endoftext|>"]
     types = [1] * (len(tokens) - 1) + [3]
     return tokens, types
 
