@@ -248,6 +248,62 @@ def _store_dense_kernel(x_ptr, sxb, sxt, sxh, dst_ptr, sdb, sdh, sdn, pos, T, H,
         tl.store(dst_ptr + row + e, x.to(dst_ptr.dtype.element_ty), mask=e < D)
 
 
+@triton.jit
+def _tq_codes_kernel(y_ptr, syb, syt, syh, u_ptr, d_ptr, steps_ptr, lev_ptr, mid_ptr, T, H,
+                     NB: tl.constexpr, NBP: tl.constexpr, BS: tl.constexpr, NG: tl.constexpr, NL: tl.constexpr,
+                     SIGNED: tl.constexpr, UNIFORM: tl.constexpr):
+    """tq's scale search (kvcli.cache.turbo.search_scales), one program per vector (b, t, h) of NB blocks of BS:
+    candidates d = step * m for the NG steps (m: max|y|, or SIGNED the block's largest element with its sign),
+    codes for y / d (UNIFORM: round(y / d - L[0]), else the nearest of the NL levels by their midpoints),
+    the least-squares scale for those codes rounded to bf16, the candidate of least squared error.
+    Writes codes u (B, T, H, D) uint8 and scales d (B, T, H, NB) f32 holding bf16 values, both contiguous."""
+    pid = tl.program_id(0)
+    h = pid % H
+    t = (pid // H) % T
+    b = pid // (H * T)
+    blk = tl.arange(0, NBP)
+    j = tl.arange(0, BS)
+    bmask = blk < NB
+    m2 = bmask[:, None]
+    e = blk[:, None] * BS + j[None, :]  # (NBP, BS)
+    y = tl.load(y_ptr + b.to(tl.int64) * syb + t.to(tl.int64) * syt + h.to(tl.int64) * syh + e, mask=m2, other=0.0)
+    amax = tl.max(tl.abs(y), 1)  # (NBP,)
+    if SIGNED:  # the first element of largest magnitude (torch's argmax), with its sign
+        first = tl.min(tl.where(tl.abs(y) == amax[:, None], j[None, :], BS), 1)
+        m = tl.max(tl.where(j[None, :] == first[:, None], y, float("-inf")), 1)
+    else:
+        m = tl.maximum(amax, 1e-30)
+    lo = tl.load(lev_ptr)
+    best_err = tl.full([NBP], float("inf"), tl.float32)
+    best_d = tl.zeros([NBP], dtype=tl.float32)
+    best_u = tl.zeros([NBP, BS], dtype=tl.int32)
+    for s in tl.static_range(NG):
+        c = tl.load(steps_ptr + s) * m  # (NBP,) the candidate scale
+        if SIGNED:
+            c = tl.where(c == 0.0, 1.0, c)  # m = 0: y is 0 too
+        z = _div(y, tl.broadcast_to(c[:, None], [NBP, BS]))
+        if UNIFORM:  # levels L[0] + u: the nearest by rounding
+            u = tl.minimum(tl.maximum(_rne(z - lo), 0.0), NL - 1.0)
+            q = u + lo
+            u = u.to(tl.int32)
+        else:  # torch.bucketize over the midpoints: the count of midpoints below z
+            u = tl.zeros([NBP, BS], dtype=tl.int32)
+            for k in tl.static_range(NL - 1):
+                u += (z > tl.load(mid_ptr + k)).to(tl.int32)
+            q = tl.load(lev_ptr + u)
+        qy = tl.sum(q * y, 1)
+        qq = tl.maximum(tl.sum(q * q, 1), 1e-30)
+        d = _bf16_rne(_div(qy, qq))  # the least-squares scale, as stored
+        err = (d * qq - 2.0 * qy) * d  # |y - d q|^2 - |y|^2
+        better = err < best_err  # argmin: the first candidate on ties
+        best_err = tl.where(better, err, best_err)
+        best_d = tl.where(better, d, best_d)
+        best_u = tl.where(better[:, None], u, best_u)
+    row = (b.to(tl.int64) * T + t) * H + h  # (B, T, H) row of the outputs
+    tl.store(u_ptr + row * (NB * BS) + e, best_u.to(tl.uint8), mask=m2)
+    tl.store(d_ptr + row * NB + blk, best_d, mask=bmask)
+
+
 def _unit_stride_f32(x: torch.Tensor) -> torch.Tensor:
     """x as f32 with unit stride along the head dimension (the kernels index it so)."""
     x = x.float()
@@ -293,3 +349,25 @@ def quantize_codes(layout, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]
                                    NG=len(layout.table),
                                    enable_fp_fusion=False)
     return codes.transpose(1, 2), scales.transpose(1, 2)
+
+
+def quantize_tq(layout, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """tq's scale search (layout.steps over the codebook layout.table): y (B, T, H, D) f32 -> codes (B, T, H, D)
+    uint8 (indices into the codebook) and scales (B, T, H, D / scale_block) f32 holding bf16 values; the store
+    packs them into its b-bit rows (TurboStore.put: positions share bytes, a per-vector program would race)."""
+    B, T, H, D = y.shape
+    y = _unit_stride_f32(y)
+    bs, levels = layout.scale_block, layout.table
+    nb = D // bs
+    uniform = all(v - levels[0] == u for u, v in enumerate(levels))
+    # midpoints as the reference makes them, in f32
+    lv = torch.tensor(levels, dtype=torch.float32)
+    mids = tuple(((lv[1:] + lv[:-1]) / 2).tolist())
+    codes = torch.empty(B, T, H, D, dtype=torch.uint8, device=y.device)
+    scales = torch.empty(B, T, H, nb, dtype=torch.float32, device=y.device)
+    _tq_codes_kernel[(B * T * H,)](y, y.stride(0), y.stride(1), y.stride(2), codes, scales,
+                                   table(layout.steps, y.device), table(levels, y.device), table(mids, y.device),
+                                   T, H, NB=nb, NBP=triton.next_power_of_2(nb), BS=bs, NG=len(layout.steps),
+                                   NL=len(levels), SIGNED=layout.signed, UNIFORM=uniform,
+                                   enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op
+    return codes, scales

@@ -17,7 +17,8 @@ per query row, so a batched prefill sees exactly what token-by-token decode woul
 This is the one dispatcher: `Attention` (the -fa choice) runs the Triton kernels (kvcli.kernels,
 a leaf fed tensors and each store's KernelLayout) where they cover the case on CUDA, and the
 PyTorch reference elsewhere, with the same result; `use_triton` is the switch the stores'
-quantize-on-write asks too. The kernels know no window: with one, CUDA runs the reference too.
+quantize-on-write asks too. The KV kernel reads the window too (the same per-row split); the
+hidden-state cache's kernel knows none: with one, CUDA runs its reference.
 """
 
 from __future__ import annotations
@@ -63,13 +64,14 @@ class Attention:
 
     def __call__(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
         """q (B, T, H, D) f32 at positions pos..pos+T-1 over a K/V cache -> (B, T, H * D) f32;
-        recent: the cache's f16 window for this batch, if it keeps one (the kernels do not read it)."""
-        if recent is None and use_triton(q) and self.flash and kernel_covers(q, cache):
-            return attend_triton(q, cache, layer, pos)
+        recent: the cache's f16 window for this batch, if it keeps one."""
+        if use_triton(q) and self.flash and kernel_covers(q, cache):
+            return attend_triton(q, cache, layer, pos, recent)
         return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
 
     def hidden(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
-        """The same over a hidden-state cache, whose K/V are rebuilt from the stored x."""
+        """The same over a hidden-state cache, whose K/V are rebuilt from the stored x (its kernel reads no
+        window: with one, the reference runs)."""
         if recent is None and use_triton(q) and self.flash and hidden_kernel_covers(q, cache):
             return attend_hidden_triton(q, cache, layer, pos)
         return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
@@ -83,14 +85,19 @@ def kernel_covers(q: torch.Tensor, cache) -> bool:
     return (k.kind in DENSE_KINDS and v.kind in DENSE_KINDS) or q.shape[-1] % 32 == 0
 
 
-def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> torch.Tensor:
+def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None,
+                  **launch) -> torch.Tensor:
     """attend_reference's result through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1);
-    launch: num_splits, block_n. The query goes into K's storage space and the output out of V's here."""
-    from kvcli.kernels.attention import StoreTensors, attend_kernel  # imports triton: only where kernels run
+    launch: num_splits, block_n. The query and the window go into K's (V's) storage space and the
+    output out of V's here."""
+    from kvcli.kernels.attention import StoreTensors, Window, attend_kernel  # imports triton: only where kernels run
 
     k = StoreTensors(cache.k.kernel_layout(), *cache.k.kernel_operands(layer))
     v = StoreTensors(cache.v.kernel_layout(), *cache.v.kernel_operands(layer))
-    out = cache.v.from_storage(attend_kernel(cache.k.to_storage(q.float()), k, v, pos, **launch))  # (B, T, H, D)
+    window = None if recent is None else Window(cache.k.to_storage(recent.k), cache.v.to_storage(recent.v),
+                                                recent.start, recent.size)
+    out = cache.v.from_storage(attend_kernel(cache.k.to_storage(q.float()), k, v, pos, window=window,
+                                             **launch))  # (B, T, H, D)
     return out.flatten(2)
 
 

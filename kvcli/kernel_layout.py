@@ -17,6 +17,7 @@ class Kind:
     F32, F16, BF16 = 0, 1, 2
     Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, IQ4_NL = 3, 4, 5, 6, 7, 8
     HADAMARD_KEYS, HADAMARD_VALUES = 9, 10  # q4_hadamard's codes: position tiles (K) or element tiles (V)
+    TQ_KEYS, TQ_VALUES = 11, 12  # tq4/tq3/tq2's b-bit codes: packed key tiles or value planes (kvcli/cache/turbo.py)
 
 
 DENSE_KINDS = (Kind.F32, Kind.F16, Kind.BF16)
@@ -30,6 +31,10 @@ class KernelLayout:
     m_offset: int = 0  # byte offset of its fp16 minimum m (q4_1, q5_1)
     qh_offset: int = 0  # byte offset of its 4 bytes of fifth bits (q5_0, q5_1)
     qs_offset: int = 0  # byte offset of its nibbles (q8_0: its 32 int8 values)
-    table: tuple[float, ...] = ()  # iq4_nl: the codebook; q4_hadamard: the scale grid its quantizer tries
-    n_sink: int = 0  # q4_hadamard: leading positions read from the f16 sink tensor instead of the codes
-    tile: int = 0  # q4_hadamard: T, positions (keys) or elements (values, min(T, D)) per int4 tile
+    table: tuple[float, ...] = ()  # iq4_nl, tq: the codebook; q4_hadamard: the scale grid its quantizer tries
+    n_sink: int = 0  # rotated types: leading positions read from the f16 sink tensor instead of the codes
+    tile: int = 0  # rotated types: T, positions (keys) or elements (values, min(T, D)) per int4 tile
+    bits: int = 4  # tq: bits per code (4, 3 or 2), packed as kvcli/cache/turbo.py's pack_rows
+    scale_block: int = 32  # rotated types: elements per bf16 scale
+    steps: tuple[float, ...] = ()  # tq: the quantizer's candidate scales over max|y| (or the signed largest)
+    signed: bool = False  # tq: candidates over the block's signed largest element, not max|y|

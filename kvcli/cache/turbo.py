@@ -34,8 +34,8 @@ operations over the chunk's bytes (no floats), then torch's int4 GEMM takes the 
 points making its (nibble - 8) s + z equal s L[u]: scores q . d L[u] per head with group = block
 (a scale per block and position), weighted sums sum_t p_t d_t L[u_t] per head with x = p d; the
 offset and the sinks are added outside. Other codebooks dequantize. Figures: benchmarks/README.md.
-No Triton kernel reads these layouts yet (kernel_layout() is None): on CUDA the PyTorch
-reference runs.
+On CUDA the Triton kernels (kvcli/kernels) read these layouts as they lie: attention decodes the
+packed codes in registers, and quantize-on-write runs the scale search (the store packs its codes).
 """
 
 from __future__ import annotations
@@ -46,9 +46,11 @@ from typing import ClassVar
 
 import torch
 
+from kvcli.attention import use_triton
 from kvcli.cache import block_products, int4_gemm
 from kvcli.cache.hadamard import PAD, RotatedStore, _whole_tiles
 from kvcli.errors import KvcliError
+from kvcli.kernel_layout import Kind, KernelLayout
 from kvcli.memory import lazy_zeros
 
 GROUP = 64  # value positions packed together (S for values), = PAD: whole groups in every store
@@ -209,6 +211,10 @@ class TurboStore(RotatedStore):
     def quantize(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """y (B, T, H, D) f32 -> codes (B, T, H, D) uint8, scales (B, T, H, D / block) f32."""
         B, T, H, D = y.shape
+        if use_triton(y):  # the scale search as one Triton kernel (imported there only: triton)
+            from kvcli.kernels.quantize import quantize_tq
+
+            return quantize_tq(self.kernel_layout(), y)
         d, u = search_scales(y.reshape(B, T, H, D // self.block_size, self.block_size), self.lv, self.steps,
                              self.uniform, self.signed)
         return u.view(B, T, H, D), d.view(B, T, H, -1)
@@ -419,8 +425,21 @@ class TurboStore(RotatedStore):
             out += p[..., :m] @ sinks
         return out
 
-    def kernel_layout(self):
-        return None  # no Triton kernel reads these layouts yet: the PyTorch reference runs on CUDA
+    def kernel_layout(self) -> KernelLayout:
+        """The kernels' constants (kvcli/kernel_layout.py): codebook, scale candidates, bits, tiles; made on
+        first use and fixed for the store's life (the kernels ask once per layer and token)."""
+        if getattr(self, "_layout", None) is None:
+            self._layout = KernelLayout(Kind.TQ_KEYS if self.keys else Kind.TQ_VALUES, self.block_bytes,
+                                        table=tuple(self.lv.tolist()), n_sink=self.n_sink,
+                                        tile=self.tile if self.keys else self.width, bits=self.bits,
+                                        scale_block=self.block_size, steps=tuple(self.steps.tolist()),
+                                        signed=self.signed)
+        return self._layout
+
+    def kernel_operands(self, layer: int) -> tuple[torch.Tensor, ...]:
+        """packed codes (B, H, ...) uint8 as the module's docstring, scales (B, H, D / block, n_pad) bf16,
+        sinks (B, H, n_sink, D) f16, offsets (B, H, D) f32."""
+        return self.data[layer], self.scale[layer], self.sink[layer], self.offset[layer, :, 0]
 
 
 class TQ4Store(TurboStore):
