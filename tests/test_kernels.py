@@ -17,17 +17,22 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
 
 import kvcli.kernels  # noqa: E402
-from kvcli.kernels.quantize import quantize_codes, quantize_into  # noqa: E402
+from kvcli.kernels.quantize import quantize_codes, quantize_into, quantize_tq  # noqa: E402
 from kvcli.attention import Attention, attend_reference, attend_triton, kernel_covers, use_triton  # noqa: E402
 from kvcli.cache import KVCache, block_products, int4_gemm  # noqa: E402
 from kvcli.cache.base import STORAGE_TYPES  # noqa: E402
 from kvcli.cache.ggml_blocks import quantize_reference  # noqa: E402
 from kvcli.cache.hadamard import quantize_vectors as quantize_codes_reference  # noqa: E402
+from kvcli.cache.turbo import TQ3Store, lloyd_max_levels  # noqa: E402
+from kvcli.kernel_layout import Kind  # noqa: E402
 
 # every registered type a kernel reads (a new type with a layout is tested with no list to edit)
 ALL_TYPES = [n for n, cls in STORAGE_TYPES.items() if cls(1, 1, 1, 1, 64).kernel_layout() is not None]
 # one row of blocks per vector; tiled types (q4_hadamard) write codes, the store packs them
 ROW_TYPES = [n for n in ALL_TYPES if STORAGE_TYPES[n](1, 1, 1, 1, 64).kernel_layout().tile == 0]
+# the rotated b-bit codebook types (tq4, tq3, tq2): their scale search has a kernel of its own
+TQ_TYPES = [n for n in ALL_TYPES if STORAGE_TYPES[n](1, 1, 1, 1, 64).kernel_layout().kind in (Kind.TQ_KEYS,
+                                                                                               Kind.TQ_VALUES)]
 DENSE = {"f32": torch.float32, "f16": torch.float16, "bf16": torch.bfloat16}
 
 
@@ -70,9 +75,7 @@ def _layout(kind: str, D: int = 64):
 
 def test_every_store_publishes_a_layout():
     """Every type kvcli ships has a kernel (so ALL_TYPES, read from the registry, holds them all)."""
-    # tq4/tq3/tq2 (kvcli/cache/turbo.py) have no kernel yet: issue 16 point 3 (CUDA runs the reference)
-    for kind in [n for n, cls in STORAGE_TYPES.items() if cls.__module__.startswith("kvcli.cache")
-                 and cls.__module__ != "kvcli.cache.turbo"]:
+    for kind in [n for n, cls in STORAGE_TYPES.items() if cls.__module__.startswith("kvcli.cache")]:
         for keys in (True, False):
             layout = STORAGE_TYPES[kind](1, 1, 1, 64, 64, keys=keys).kernel_layout()
             assert layout is not None and (layout.block_bytes == 0) == (kind in DENSE), kind
@@ -135,6 +138,63 @@ def test_store_hadamard_matches_the_store(monkeypatch, keys, tile):
         assert torch.equal(getattr(a, name), getattr(b, name)), name
 
 
+class _LloydMax3(TQ3Store):
+    """tq3's layout with a non-uniform codebook (no name: not registered), read through the level table."""
+
+    levels, signed = lloyd_max_levels(3), False
+
+
+class _Wide3(TQ3Store):
+    """A non-uniform codebook with a signed scale, as the lead may give tq3."""
+
+    levels = (-4.5, -2.5, -1.5, -0.5, 0.5, 1.5, 2.5, 4.5)
+
+
+@pytest.mark.parametrize("D", [64, 128])
+@pytest.mark.parametrize("kind", TQ_TYPES + ["lloyd_max3", "wide3"])
+def test_tq_codes_equal_reference(kind, D):
+    """tq's scale search (candidates, refit, bf16 scale, least error): the kernel's codes and scales equal
+    the store's own PyTorch quantizer bit for bit with a uniform codebook (integer levels: no near-ties seen).
+    A non-uniform one's 64-term sums q . y are ordered differently by torch and tl.sum, which can flip a
+    near-tie between two candidates: there >= 99% of the codes are equal and every block that differs has
+    the reference's squared error to within 1e-6 of |y|^2."""
+    cls = {"lloyd_max3": _LloydMax3, "wide3": _Wide3}.get(kind) or STORAGE_TYPES[kind]
+    store = cls(1, 1, 2, 8, D)
+    g = torch.Generator().manual_seed(D)
+    y = _adversarial(2, 3, 2, D)
+    y.view(-1, 64)[-1] = torch.randn(64, generator=g) * 1e3  # a block wider than 32 of the adversarial ones
+    u, d = quantize_tq(store.kernel_layout(), y)
+    u_ref, d_ref = store.quantize(y)
+    assert u.shape == u_ref.shape == (2, 3, 2, D) and d.shape == d_ref.shape == (2, 3, 2, D // 64)
+    if store.uniform:
+        assert torch.equal(u, u_ref) and torch.equal(d, d_ref)
+        return
+    assert (u == u_ref).float().mean() >= 0.99
+    yb, lv = y.view(-1, 64), store.lv
+    err, err_ref = (((yb - dd.view(-1, 1) * lv[uu.view(-1, 64).long()]) ** 2).sum(-1) for uu, dd in ((u, d), (u_ref, d_ref)))
+    torch.testing.assert_close(err, err_ref, rtol=0, atol=1e-6 * (yb ** 2).sum(-1).max().item())
+
+
+@pytest.mark.parametrize("kind", TQ_TYPES)
+def test_store_tq_matches_the_store(monkeypatch, kind):
+    """The stores' Triton branch (the kernel's scale search, then the store's packing into b-bit rows of
+    key tiles and value planes; store_pair's decode path included) equals their PyTorch path."""
+    import kvcli.cache.turbo as turbo
+
+    g = torch.Generator().manual_seed(5)
+    steps = [(0, 6), (6, 1), (7, 9), (16, 1)]  # prefill across the sinks, decode, prefill, decode
+    kvs = [(torch.randn(1, T, 2, 64, generator=g), torch.randn(1, T, 2, 64, generator=g)) for _, T in steps]
+    a, b = (KVCache(1, 1, 2, 20, 64, kind, kind) for _ in range(2))
+    for (pos, _), (k, v) in zip(steps, kvs):
+        a.store(0, k, v, pos)
+    monkeypatch.setattr(turbo, "use_triton", lambda t: True)
+    for (pos, _), (k, v) in zip(steps, kvs):
+        b.store(0, k, v, pos)
+    for name in ("data", "scale", "sink", "offset"):
+        for x, y in ((a.k, b.k), (a.v, b.v)):
+            assert torch.equal(getattr(x, name), getattr(y, name)), name
+
+
 def _filled_cache(kind_k: str, kind_v: str, B: int, Hkv: int, D: int, n: int, seed: int = 0) -> KVCache:
     cache = KVCache(1, B, Hkv, n + 8, D, kind_k, kind_v)
     g = torch.Generator().manual_seed(seed)
@@ -158,8 +218,8 @@ def tile(request, monkeypatch):
 @pytest.mark.parametrize("kind", ALL_TYPES)
 def test_attention_every_type(kind, tile):
     """GQA (4 query heads per KV head), batch 2, decode split in 3 and a 5-token prefill."""
-    if kind != "q4_hadamard" and tile == 32:
-        pytest.skip("the tile width is q4_hadamard's alone")
+    if _layout(kind).tile == 0 and tile == 32:
+        pytest.skip("the tile width is the rotated types' alone")
     B, H, Hkv, D, n = 2, 8, 2, 64, 37
     cache = _filled_cache(kind, kind, B, Hkv, D, n)
     g = torch.Generator().manual_seed(1)
@@ -175,10 +235,13 @@ def test_attention_every_type(kind, tile):
     (("q4_hadamard", "f16"), 1, 4, 1, 128, 100),  # G = 4 with one KV head, past the sinks
     (("q8_0", "q4_hadamard"), 1, 6, 2, 128, 100),  # G = 3: rows padded to a power of two
     (("q4_hadamard", "q4_hadamard"), 2, 2, 2, 32, 70),  # 32-element value tiles, a second key tile
+    (("tq3", "tq2"), 1, 4, 1, 128, 100),  # head size 128: two scale blocks, 3-bit rows of a 128-row tile
+    (("tq4", "q8_0"), 1, 6, 2, 128, 70),  # G = 3, a second key tile
+    (("f16", "tq3"), 2, 2, 2, 64, 70),  # MHA, a second group of 64 value positions
 ])
 def test_attention_shapes(kinds, B, H, Hkv, D, n, tile):
-    if "q4_hadamard" not in kinds and tile == 32:
-        pytest.skip("the tile width is q4_hadamard's alone")
+    if all(_layout(k, D).tile == 0 for k in kinds) and tile == 32:
+        pytest.skip("the tile width is the rotated types' alone")
     cache = _filled_cache(*kinds, B, Hkv, D, n, seed=n)
     g = torch.Generator().manual_seed(2)
     q = torch.randn(B, 1, H, D, generator=g)
@@ -186,6 +249,35 @@ def test_attention_shapes(kinds, B, H, Hkv, D, n, tile):
     T = min(n, 7)  # prefill of the last T positions: causal w.r.t. pos + t
     q = torch.randn(B, T, H, D, generator=g)
     _check(attend_triton(q, cache, 0, n - T), attend_reference(q, cache, 0, n - T), kinds[0])
+
+
+def test_attention_lloyd_max_codebook():
+    """A non-uniform codebook is read through the level table, never as a grid."""
+    B, Hkv, D, n = 1, 2, 64, 37
+    cache = KVCache(1, B, Hkv, n, D, "f16", "f16")
+    cache.k = _LloydMax3(1, B, Hkv, n, D, keys=True)
+    cache.v = _LloydMax3(1, B, Hkv, n, D)
+    g = torch.Generator().manual_seed(6)
+    cache.store(0, torch.randn(B, n, Hkv, D, generator=g), torch.randn(B, n, Hkv, D, generator=g), 0)
+    q = torch.randn(B, 3, 4, D, generator=g)
+    _check(attend_triton(q, cache, 0, n - 3, block_n=16), attend_reference(q, cache, 0, n - 3), "lloyd_max3")
+
+
+@pytest.mark.parametrize("kind", ["q4_0", "q4_hadamard", "tq4", "tq3", "tq2"])
+def test_attention_window(kind):
+    """With a recent window of N, row i reads i-N+1..i from the f16 window and the rest from the store, as
+    the reference: a prefill all in the window (an empty store), a prefill that leaves positions to the
+    store, a batch in mid-sequence, then decode split in 3 with the window read by the last split."""
+    B, H, Hkv, D, N = 1, 6, 2, 64, 8
+    cache = KVCache(1, B, Hkv, 64, D, kind, kind, window=N)
+    g = torch.Generator().manual_seed(7)
+    pos = 0
+    for T, splits in [(5, None), (20, None), (7, None), (1, 3), (1, 3)]:
+        recent = cache.store(0, torch.randn(B, T, Hkv, D, generator=g), torch.randn(B, T, Hkv, D, generator=g), pos)
+        q = torch.randn(B, T, H, D, generator=g)
+        out = attend_triton(q, cache, 0, pos, recent, num_splits=splits, block_n=8)
+        _check(out, attend_reference(q, cache, 0, pos, recent=recent), f"{kind} T={T} pos={pos}")
+        pos += T
 
 
 def test_dispatcher(monkeypatch):
@@ -204,3 +296,11 @@ def test_dispatcher(monkeypatch):
                                rtol=1e-4, atol=1e-4)
     Attention(flash=False)(q, cache, 0, 8)
     assert ran == [1]
+    # with a window the kernel runs too (it reads the window): same result as the reference
+    cache = KVCache(1, 1, 2, 16, 32, "q4_0", "q4_0", window=4)
+    g = torch.Generator().manual_seed(8)
+    recent = cache.store(0, torch.randn(1, 9, 2, 32, generator=g), torch.randn(1, 9, 2, 32, generator=g), 0)
+    q = torch.randn(1, 9, 4, 32, generator=g)
+    torch.testing.assert_close(Attention()(q, cache, 0, 0, recent), attend_reference(q, cache, 0, 0, recent=recent),
+                               rtol=1e-4, atol=1e-4)
+    assert ran == [1, 1]
