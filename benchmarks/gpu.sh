@@ -29,16 +29,21 @@ bench() { python3 -m kvcli.cli bench --device "$DEVICE" -r "$R" "$@"; }
 
 if [ "$MODE" = full ] || [ "$MODE" = quick ]; then
 echo "== 1. Triton kernels against their PyTorch references on the GPU, and attention bandwidth"
-python3 benchmarks/gpu_kernels.py --depths 4096 32768 --types f16 q8_0 q4_0 q4_hadamard
+python3 benchmarks/gpu_kernels.py --depths 4096 32768 --types f16 q8_0 q4_0 q4_hadamard tq4 tq3 tq2 \
+  --window-types q8_0 q4_hadamard tq3
 
 echo "== 2. SmolLM2-135M shape (GQA 9/3): pp512 / tg128 at depths $DEPTHS"
-for t in f16 q8_0 q4_0 q4_hadamard; do
+for t in f16 q8_0 q4_0 q4_hadamard tq4 tq3 tq2; do
   bench --shape smollm2-135m --weights f16 -p 512 -n 128 -d "$DEPTHS" -ctk "$t" -ctv "$t"
+done
+# the recent window read by the attention kernel (issue 16.3): 16 positions (the rows above have none)
+for t in q8_0 tq3; do
+  bench --shape smollm2-135m --weights f16 -p 512 -n 128 -d "$DEPTHS" -ctk "$t" -ctv "$t" -cw 16
 done
 bench --shape smollm2-135m --weights f16 -p 512 -n 128 -d "$DEPTHS" --cache-mode hidden -cth f16
 
 echo "== 3. llama2-7b shape (MHA): tg128 at depths $BIG; Triton on, then off (PyTorch reference on CUDA)"
-for t in f16 q8_0 q4_0 q4_hadamard; do
+for t in f16 q8_0 q4_0 q4_hadamard tq4 tq3; do
   bench --shape llama2-7b --weights f16 -p 0 -n 128 -d "$BIG" -ctk "$t" -ctv "$t"
   KVCLI_TRITON=0 bench --shape llama2-7b --weights f16 -p 0 -n 32 -d "$BIG" -ctk "$t" -ctv "$t" | sed 's/| CUDA |/| CUDA, Triton off |/'
 done
