@@ -12,7 +12,11 @@ kvcli.kernel_layout.KernelLayout, read by attribute): the KIND, block bytes and 
 are constexprs. q4_hadamard: q arrives rotated (the caller maps it into K's space and the
 output back out of V's), the codes are read from the store's int4 tiles of TILE positions
 (keys) or elements (values) with its bf16 scales, the first NSINK positions from the f16 sink
-tensor, and the per-head offset is added after dequantization.
+tensor, and the per-head offset is added after dequantization. tq4/tq3/tq2 likewise, their b-bit codes
+unpacked from pack_rows' rows in registers (kvcli/cache/turbo.py) and looked up in the codebook table.
+With a recent window (kvcli/cache/window.py) the row at position i reads the store below
+max(i - N + 1, window start) and the window's f32 K/V (the caller maps them into the stores' spaces)
+from there to i, as kvcli.attention.attend_reference with a Recent; decode's last split reads the window.
 
 This package imports nothing from kvcli. Reference: `kvcli.attention.attend_reference`, the
 library's PyTorch path (kvcli.attention.attend_triton launches this with a cache's tensors).
@@ -34,8 +38,8 @@ LOG2E = 1.4426950408889634
 
 class StoreTensors(NamedTuple):
     """One layer of a K or V store, as the kernel reads it. data: (B, Hkv, n_ctx, D or row bytes),
-    or q4_hadamard's codes (B, Hkv, tiles...); q4_hadamard only: scale (B, Hkv, D / 32, n_pad) bf16,
-    sink (B, Hkv, n_sink, D) f16, offset (B, Hkv, D) f32."""
+    or a rotated type's codes (B, Hkv, tiles...); rotated types (q4_hadamard, tq) only: scale
+    (B, Hkv, D / block, n_pad) bf16, sink (B, Hkv, n_sink, D) f16, offset (B, Hkv, D) f32."""
 
     layout: object  # kvcli.kernel_layout.KernelLayout: kind, block_bytes, *_offset, table, n_sink, tile
     data: torch.Tensor
@@ -252,10 +256,10 @@ def _split_reduce_kernel(o_ptr, ml_ptr, out_ptr, M, S, SP: tl.constexpr, DP: tl.
 
 
 def _store_args(st: StoreTensors):
-    """Pointer and stride arguments of one store's layer: data, fp16 view (q4_hadamard: bf16 scales),
+    """Pointer and stride arguments of one store's layer: data, fp16 view (rotated types: bf16 scales),
     sink, offset, the scales' strides and padded length."""
     data = st.data
-    if st.scale is not None:  # q4_hadamard
+    if st.scale is not None:  # q4_hadamard, tq
         scale, sink, off = st.scale, st.sink, st.offset
         return (data, scale, data.stride(0), data.stride(1), 0, sink, sink.stride(0), sink.stride(1), sink.stride(2),
                 off, off.stride(0), off.stride(1), scale.stride(0), scale.stride(1), scale.shape[-1])

@@ -5,12 +5,14 @@ pos + t of `data[layer]` (B, Hkv, n_ctx, row_bytes) uint8 in ggml's block layout
 (ggml-common.h), or (B, Hkv, n_ctx, D) for the dense types. A block of 32 is handled as two
 halves of 16 (elements j and j + 16 share a byte: ggml's nibble order). q4_hadamard's scale
 search writes one code per element and the block scales (`quantize_codes`); the store packs
-them into its tiles, where positions share bytes (a per-vector program would race on them).
+them into its tiles, where positions share bytes (a per-vector program would race on them);
+tq4/tq3/tq2's scale search likewise (`quantize_tq`), the store packing its b-bit rows.
 
 The launchers take tensors and a store's layout record (`kvcli.kernel_layout.KernelLayout`, read
 by attribute: kind, block_bytes and field offsets, table): this package imports nothing from kvcli.
 References, in the library: the stores' own PyTorch quantizers, reached through
-`kvcli.cache.ggml_blocks.quantize_reference`, and `kvcli.cache.hadamard.quantize_vectors`.
+`kvcli.cache.ggml_blocks.quantize_reference`, `kvcli.cache.hadamard.quantize_vectors` and
+`kvcli.cache.turbo.search_scales`.
 The kernels mirror their f32 arithmetic op for op (IEEE division via `div_rn`, no FMA
 contraction on GPU: launched with enable_fp_fusion=False), so ggml types are byte-exact. q4_hadamard's scale is a least-squares refit whose 32-term sums torch orders
 its own way: codes can differ on rare blocks where the f32 sum rounds across a bf16 boundary;
@@ -24,7 +26,8 @@ import triton
 import triton.language as tl
 
 # KIND codes (kvcli/kernel_layout.py): 0-2 dense f32/f16/bf16, 3 q8_0, 4 q4_0, 5 q4_1, 6 q5_0,
-# 7 q5_1, 8 iq4_nl, 9 q4_hadamard (codes and scales; 10, its value tiles, only for reading)
+# 7 q5_1, 8 iq4_nl, 9 q4_hadamard (codes and scales; 10, its value tiles, only for reading),
+# 11 / 12 tq keys / values (quantize_tq)
 DENSE_KINDS = (0, 1, 2)
 HADAMARD = 9
 

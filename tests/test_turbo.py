@@ -82,7 +82,7 @@ def test_bytes_per_element_and_fixed_costs(name, tile, keys):
     codes_and_scales = L * B * H * n_pad * D * bits / 8
     fixed = L * B * H * (N_SINK * D * 2 + D * 4)  # f16 sinks, f32 offsets per layer and head
     assert store.nbytes() == codes_and_scales + fixed == cls.nbytes_for(L, B, H * D, n)
-    assert store.kernel_layout() is None  # no Triton kernel reads these layouts yet
+    assert store.kernel_layout().bits == store.bits  # the kernels read the packed rows (tests/test_kernels.py)
 
 
 def test_aliases():
