@@ -226,12 +226,26 @@ class TurboStore(RotatedStore):
         return super().prepare(layer, x, pos)
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        if x.shape[1] == 1 and pos >= self.n_sink and self.ready(layer) and use_triton(x):
+            return self._write_kernel(layer, x, pos)
         self.put(layer, *self.quantize(self.prepare(layer, x, pos)), pos)
+
+    def _write_kernel(self, layer: int, x: torch.Tensor, pos: int) -> None:
+        """Decode past the sinks, offset set, on CUDA: rotation, offset, scale search and this position's packed
+        bits in one Triton kernel (kvcli/kernels/quantize.py; imported here only: triton)."""
+        from kvcli.kernels.quantize import write_tq_position
+
+        write_tq_position(self.kernel_layout(), x, self.rot, self.offset[layer], self.data[layer], self.scale[layer],
+                          pos)
 
     def store_pair(self, other: "TurboStore", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
         """K here, V in `other`, quantized in one pass (the scale search's ops run once per token)."""
         B, T, H, D = x.shape
         if T == 1 and pos >= self.n_sink and self.ready(layer) and other.ready(layer):
+            if use_triton(x):  # one kernel per store
+                self._write_kernel(layer, x, pos)
+                other._write_kernel(layer, y, pos)
+                return
             # decode past the sinks, offsets set: prepare's rotation and offsets for both at once, then each
             # store's bits of this one position
             u, d = self.quantize((torch.cat([x, y]).float() @ self.rot.T).sub_(self._both_offsets(other, layer)))
