@@ -11,6 +11,7 @@ Prints figures only (never asserted in tests); exits 1 if a check fails.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import time
 
@@ -29,6 +30,27 @@ def tq_reference(store, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     d, u = search_scales(y.reshape(*y.shape[:-1], -1, store.block_size), store.lv, store.steps, store.uniform,
                          store.signed)
     return u.view(y.shape), d.view(*y.shape[:-1], -1)
+
+
+def decode_writes_same(kind: str, k: torch.Tensor, v: torch.Tensor) -> float:
+    """tq's fused decode write (rotation, offset, scale search, packed bits) against the stores' PyTorch path
+    (KVCLI_TRITON=0): a 100-token prefill through PyTorch in both, then 64 decode steps each way; the share
+    of equal codes over the positions written."""
+    from kvcli.cache import KVCache
+
+    a, b = (KVCache(1, 1, HKV, 256, D, kind, kind, device="cuda") for _ in range(2))
+    os.environ["KVCLI_TRITON"] = "0"
+    try:
+        for c in (a, b):
+            c.store(0, k[:, :100], v[:, :100], 0)
+        for p in range(100, 164):
+            a.store(0, k[:, p : p + 1], v[:, p : p + 1], p)
+    finally:
+        del os.environ["KVCLI_TRITON"]
+    for p in range(100, 164):
+        b.store(0, k[:, p : p + 1], v[:, p : p + 1], p)
+    return torch.cat([(x.codes(0, 100, 164) == y.codes(0, 100, 164)).flatten()
+                      for x, y in ((a.k, b.k), (a.v, b.v))]).float().mean().item()
 
 
 def check(types) -> bool:
@@ -73,6 +95,8 @@ def check(types) -> bool:
         recent = wc.store(0, k[:, :1], v[:, :1], 1000)
         ew = max(ew, (attend_triton(q1, wc, 0, 1000, recent)
                       - attend_reference(q1, wc, 0, 1000, recent=recent)).abs().max().item())
+        if tq:  # decode's fused write: the share of equal codes counts in `same`
+            same = min(same, decode_writes_same(kind, k, v))
         # tq's 64-term sums: torch's CUDA order and tl.sum's can flip a near-tie of two candidate scales
         good = same >= (0.999 if tq else 1.0) and e1 < 1e-3 and ep < 1e-3 and ew < 1e-3
         ok &= good
