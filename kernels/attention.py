@@ -124,9 +124,11 @@ def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, 
         if KIND == 11:  # keys: byte (n // T, row, n % (T / 2)) of (npad / T, BITS D / 4, T / 2); rows pack elements
             at = rows[:, None] + (n // TILE) * (BITS * D // 4 * HALF) + n % HALF
             u = _tq_code(ptr, at, e[None, :], ((n % TILE) // HALF) * 4, m2, D, HALF, BITS)
-        else:  # values: byte (e // W, n // 64, row, e % W % (W / 2)) of (D / W, npad / 64, 16 BITS, W / 2); rows pack positions
+        else:  # values: byte (e // W, n // 64, row, e % W % (W / 2)) of (D / W, npad / 64, 16 BITS, W / 2);
+            # rows pack positions
             ew = e[None, :] % TILE
-            at = rows[:, None] + (e[None, :] // TILE) * (npad * BITS // 4 * HALF) + (n // 64) * (16 * BITS * HALF) + ew % HALF
+            at = (rows[:, None] + (e[None, :] // TILE) * (npad * BITS // 4 * HALF) + (n // 64) * (16 * BITS * HALF)
+                  + ew % HALF)
             u = _tq_code(ptr, at, n % 64, (ew // HALF) * 4, m2, 64, HALF, BITS)
         d = tl.load(ptr16 + (e // BS)[None, :] * npad + n, mask=m2, other=0.0).to(tl.float32)
         x = tl.load(tab_ptr + u) * d + tl.load(off_ptr + e, mask=emask, other=0.0)[None, :]
@@ -330,8 +332,8 @@ def attend_kernel(q: torch.Tensor, k: StoreTensors, v: StoreTensors, pos: int, n
     _attn_kernel[grid](qg, qg.stride(0), qg.stride(1), qg.stride(2), *_store_args(k), *_store_args(v),
                        table(k.layout.table, q.device), table(v.layout.table, q.device),
                        o, ml, Hkv, M, G, pos, n_keys, split_len, S, wk, wv, *w_args,
-                       **_constexprs("K", k.layout), **_constexprs("V", v.layout), WINDOW=window is not None, D=D, DP=DP,
-                       BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+                       **_constexprs("K", k.layout), **_constexprs("V", v.layout), WINDOW=window is not None,
+                       D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     if S == 1:
         out = o[:, :, 0]
     else:

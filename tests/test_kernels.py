@@ -171,7 +171,8 @@ def test_tq_codes_equal_reference(kind, D):
         return
     assert (u == u_ref).float().mean() >= 0.99
     yb, lv = y.view(-1, 64), store.lv
-    err, err_ref = (((yb - dd.view(-1, 1) * lv[uu.view(-1, 64).long()]) ** 2).sum(-1) for uu, dd in ((u, d), (u_ref, d_ref)))
+    err, err_ref = (((yb - dd.view(-1, 1) * lv[uu.view(-1, 64).long()]) ** 2).sum(-1)
+                    for uu, dd in ((u, d), (u_ref, d_ref)))
     torch.testing.assert_close(err, err_ref, rtol=0, atol=1e-6 * (yb ** 2).sum(-1).max().item())
 
 

@@ -34,8 +34,10 @@ operations over the chunk's bytes (no floats), then torch's int4 GEMM takes the 
 points making its (nibble - 8) s + z equal s L[u]: scores q . d L[u] per head with group = block
 (a scale per block and position), weighted sums sum_t p_t d_t L[u_t] per head with x = p d; the
 offset and the sinks are added outside. Other codebooks dequantize. Figures: benchmarks/README.md.
-On CUDA the Triton kernels (kvcli/kernels) read these layouts as they lie: attention decodes the
-packed codes in registers, and quantize-on-write runs the scale search (the store packs its codes).
+On CUDA the Triton kernels (kvcli/kernels) read and write these layouts as they lie: attention
+decodes the packed codes in registers; a prefill's write runs the scale search in a kernel and the
+store packs the codes; decode's write (one position past the sinks) is one kernel: rotation, offset,
+scale search and the position's bits.
 """
 
 from __future__ import annotations
@@ -227,7 +229,8 @@ class TurboStore(RotatedStore):
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
         if x.shape[1] == 1 and pos >= self.n_sink and self.ready(layer) and use_triton(x):
-            return self._write_kernel(layer, x, pos)
+            self._write_kernel(layer, x, pos)
+            return
         self.put(layer, *self.quantize(self.prepare(layer, x, pos)), pos)
 
     def _write_kernel(self, layer: int, x: torch.Tensor, pos: int) -> None:
