@@ -291,19 +291,27 @@ def test_bad_window_lists_give_one_line(tiny64):
                                                              CacheSpec("kv", "q4_0", "q4_0", window=3)]
 
 
-def test_a_window_runs_the_reference_where_the_kernels_would(monkeypatch):
-    """The Triton kernels read no window: with one, CUDA runs the PyTorch reference (correct, not fast)."""
-    def kernel(*args, **kwargs):
-        raise AssertionError("the kernel ran over a cache with a window")
+def test_a_window_goes_to_the_kv_kernel_not_the_hidden_one(monkeypatch):
+    """With a window the KV dispatcher hands the Triton kernel the window (it reads it: tests/test_kernels.py
+    compares it with the reference); the hidden-state cache's kernel reads none, so there the reference runs."""
+    ran = []
+
+    def kernel(q, cache, layer, pos, recent=None, **launch):  # the kernel's result is the reference's
+        ran.append(recent)
+        return kvcli.attention.attend_reference(q, cache, layer, pos, recent=recent)
+
+    def hidden_kernel(*args, **kwargs):
+        raise AssertionError("the hidden-state kernel ran with a window")
 
     cache = KVCache(1, B, HKV, 16, D, "q8_0", "q8_0", window=4)
     k, q = _vectors(6, 12), torch.randn(B, 6, 2 * HKV, D, generator=torch.Generator().manual_seed(13))
     ref = cache.attention(0, q, k, k, None, 0)
     monkeypatch.setattr(kvcli.attention, "use_triton", lambda t: True)
     monkeypatch.setattr(kvcli.attention, "attend_triton", kernel)
-    monkeypatch.setattr(kvcli.attention, "attend_hidden_triton", kernel)
+    monkeypatch.setattr(kvcli.attention, "attend_hidden_triton", hidden_kernel)
     cache = KVCache(1, B, HKV, 16, D, "q8_0", "q8_0", window=4)
     torch.testing.assert_close(cache.attention(0, q, k, k, None, 0), ref, rtol=0, atol=0)
+    assert len(ran) == 1 and ran[0] is not None and ran[0].size == 4
     recent = cache.store(0, k[:, :1], k[:, :1], 0)
     assert recent is not None
-    cache.attend.hidden(q[:, :1], cache, 0, 0, recent)  # the hidden-state path dispatches the same way
+    cache.attend.hidden(q[:, :1], cache, 0, 0, recent)  # the hidden-state path: the reference, not its kernel
