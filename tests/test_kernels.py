@@ -1,9 +1,11 @@
 """Layer (b): every Triton kernel against its PyTorch reference, under TRITON_INTERPRET=1 on CPU.
 
 The interpreter runs the kernels' programs one by one on CPU tensors (slow): shapes are tiny.
-Quantize-on-write: bytes equal to the stores' quantizers. Attention: f32 tolerance against
+Quantize-on-write: bytes equal to the stores' quantizers (tq: equal but for a stated near-tie
+bound where a kernel's sums are ordered otherwise than torch's). Attention: f32 tolerance against
 `kvcli.attention.attend_reference` (the kernels read the same stored bytes, so the only
-difference is summation order). The kernels are a leaf: they import nothing from kvcli.
+difference is summation order), with and without the recent window. The kernels are a leaf:
+they import nothing from kvcli.
 """
 
 import os
@@ -218,7 +220,7 @@ def test_tq_decode_write(monkeypatch, kinds, tile):
     k, v = torch.randn(1, 6, 2, D, generator=g), torch.randn(1, 6, 2, D, generator=g)
     a.store(0, k, v, 0)  # the sinks and offsets, through PyTorch in both
     b.store(0, k, v, 0)
-    positions = [6, 15, 16, 31, 32, 47, 48, 63, 64, 100, 129]
+    positions = [6, 16, 31, 32, 48, 63, 100]  # keys: both halves of 32- and 64-wide tiles; values: every field
     kvs = [(torch.randn(1, 1, 2, D, generator=g), torch.randn(1, 1, 2, D, generator=g)) for _ in positions]
     for pos, (k, v) in zip(positions, kvs):
         a.store(0, k, v, pos)
