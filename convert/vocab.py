@@ -228,8 +228,9 @@ def detect_pre(tok: Any, data: dict, log: Callable[[str], None]) -> str:
         return PRE_BY_HASH[chkhsh]
     pre = data.get("pre_tokenizer") or {}
     parts = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else []
-    if (len(parts) == 2 and parts[0].get("type") == "Split" and (parts[0].get("pattern") or {}).get("Regex") == QWEN2_SPLIT
-            and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True)):
+    split = parts[0] if len(parts) == 2 and parts[0].get("type") == "Split" else {}
+    split_regex = (split.get("pattern") or {}).get("Regex")
+    if split_regex == QWEN2_SPLIT and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True):
         return "qwen2"
     if pre.get("type") == "Sequence" and len(pre.get("pretokenizers") or []) == 1:
         pre = pre["pretokenizers"][0]
