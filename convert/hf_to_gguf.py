@@ -1,7 +1,8 @@
-"""Hugging Face Llama directory -> one GGUF file that kvcli and llama.cpp both load.
+"""Hugging Face Llama/Mistral/Qwen2/Qwen3 directory -> one GGUF file that kvcli and llama.cpp both load.
 
-Follows llama.cpp's convert_hf_to_gguf.py (LlamaModel) for the layout: tensor names, Q/K rows
-permuted to adjacent-pair RoPE, `llama.*` keys, norms in F32, quantized types through gguf.quants.
+Follows llama.cpp's convert_hf_to_gguf.py (LlamaModel, Qwen2Model, Qwen3Model) for the layout: tensor
+names, Q/K rows permuted to adjacent-pair RoPE for llama only (qwen2/qwen3 keep Hugging Face's rows: llama.cpp
+rotates them NEOX-style), `{arch}.*` keys, norms and biases in F32, quantized types through gguf.quants.
 Tensors are streamed: the header and tensor table are written from the checkpoint's shapes alone,
 then each tensor is loaded, converted and written before the next one is read.
 
@@ -25,7 +26,11 @@ from kvcli.convert.vocab import add_vocab, read_json
 from kvcli.errors import KvcliError
 from kvcli.memory import MIB
 
-ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM")
+# config.json's architecture -> the GGUF general.architecture written (llama.cpp's model_arch)
+GGUF_ARCH = {"LlamaForCausalLM": "llama", "MistralForCausalLM": "llama", "Qwen2ForCausalLM": "qwen2",
+             "Qwen3ForCausalLM": "qwen3"}
+ARCHITECTURES = tuple(GGUF_ARCH)
+ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 OUTTYPES = ("f32", "f16", "bf16", "q8_0", "q4_0")
 
 
@@ -39,8 +44,9 @@ def permute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
 
 @dataclass(frozen=True)
 class HParams:
-    """The config.json fields the llama decoder needs, checked."""
-    arch: str
+    """The config.json fields the decoder needs, checked."""
+    arch: str  # config.json's architecture; gguf_arch: what the file says
+    gguf_arch: str
     n_layers: int
     n_embd: int
     n_ff: int
@@ -93,10 +99,12 @@ def read_hparams(hf_dir: Path) -> HParams:
     ctx = pos_int("max_position_embeddings") if cfg.get("max_position_embeddings") is not None else None
     if cfg.get("hidden_act", "silu") != "silu":
         raise KvcliError(f"config.json: hidden_act {cfg['hidden_act']!r} is not supported (Llama uses 'silu')")
-    for key in ("attention_bias", "mlp_bias"):
+    gguf_arch = GGUF_ARCH[archs[0]]
+    # Qwen2's q,k,v biases are part of its architecture (transformers ignores attention_bias there)
+    for key in ("attention_bias", "mlp_bias") if gguf_arch != "qwen2" else ("mlp_bias",):
         if cfg.get(key):
-            raise KvcliError(f"config.json: {key} = true is not supported (Llama has no biases)")
-    window = cfg.get("sliding_window")
+            raise KvcliError(f"config.json: {key} = true is not supported ({archs[0]} runs without those biases)")
+    window = cfg.get("sliding_window") if cfg.get("use_sliding_window", True) else None  # Qwen's switch
     if window is not None and (ctx is None or not isinstance(window, int) or window < ctx):
         raise KvcliError(f"config.json: sliding_window {window} (smaller than the context, "
                          f"max_position_embeddings {ctx}) is not supported")
@@ -107,13 +115,18 @@ def read_hparams(hf_dir: Path) -> HParams:
             raise KvcliError(f"config.json: {key} must be an object, got {cfg[key]!r}")
     rope = {**(cfg.get("rope_scaling") or {}), **(cfg.get("rope_parameters") or {})}
     rope["rope_type"] = str(rope.get("rope_type", rope.get("type")) or "default")
-    if rope["rope_type"] not in ("default", "linear", "llama3"):
+    if rope["rope_type"] not in ROPE_TYPES:
         raise KvcliError(f"RoPE scaling {rope['rope_type']!r} is not supported "
-                         "(convert supports default, linear, llama3)")
+                         f"(convert supports {', '.join(ROPE_TYPES)})")
+    if rope["rope_type"] == "yarn" and rope.get("factor") is not None:
+        orig = rope.get("original_max_position_embeddings", cfg.get("original_max_position_embeddings"))
+        if isinstance(orig, bool) or not isinstance(orig, int) or orig <= 0:
+            raise KvcliError(f"config.json: yarn RoPE scaling needs original_max_position_embeddings, got {orig!r}")
+        rope["original_max_position_embeddings"] = orig
     theta = rope.get("rope_theta", cfg.get("rope_theta", 10000.0))
     if isinstance(theta, bool) or not isinstance(theta, (int, float)):
         raise KvcliError(f"config.json: rope_theta must be a number, got {theta!r}")
-    return HParams(arch=archs[0], n_layers=pos_int("num_hidden_layers"), n_embd=n_embd,
+    return HParams(arch=archs[0], gguf_arch=gguf_arch, n_layers=pos_int("num_hidden_layers"), n_embd=n_embd,
                    n_ff=pos_int("intermediate_size"),
                    n_heads=n_heads, n_kv_heads=n_kv_heads, head_dim=head_dim, vocab_size=pos_int("vocab_size"),
                    context_length=ctx, rms_eps=number("rms_norm_eps", 1e-6), rope_theta=float(theta), rope=rope,
@@ -232,6 +245,11 @@ _LAYER_NAMES = {  # HF suffix -> GGUF suffix, per block
 }
 
 
+_QWEN2_NAMES = {"self_attn.q_proj.bias": "attn_q.bias", "self_attn.k_proj.bias": "attn_k.bias",
+                "self_attn.v_proj.bias": "attn_v.bias"}
+_QWEN3_NAMES = {"self_attn.q_norm.weight": "attn_q_norm.weight", "self_attn.k_norm.weight": "attn_k_norm.weight"}
+
+
 def _expected(h: HParams) -> dict[str, tuple[str, tuple[int, ...]]]:
     """HF tensor name -> (GGUF name, torch shape implied by config.json)."""
     q, kv = h.n_heads * h.head_dim, h.n_kv_heads * h.head_dim
@@ -242,9 +260,11 @@ def _expected(h: HParams) -> dict[str, tuple[str, tuple[int, ...]]]:
     shapes = {"attn_norm.weight": (h.n_embd,), "attn_q.weight": (q, h.n_embd), "attn_k.weight": (kv, h.n_embd),
               "attn_v.weight": (kv, h.n_embd), "attn_output.weight": (h.n_embd, q), "ffn_norm.weight": (h.n_embd,),
               "ffn_gate.weight": (h.n_ff, h.n_embd), "ffn_up.weight": (h.n_ff, h.n_embd),
-              "ffn_down.weight": (h.n_embd, h.n_ff)}
+              "ffn_down.weight": (h.n_embd, h.n_ff), "attn_q.bias": (q,), "attn_k.bias": (kv,), "attn_v.bias": (kv,),
+              "attn_q_norm.weight": (h.head_dim,), "attn_k_norm.weight": (h.head_dim,)}
+    names = _LAYER_NAMES | {"qwen2": _QWEN2_NAMES, "qwen3": _QWEN3_NAMES}.get(h.gguf_arch, {})
     for i in range(h.n_layers):
-        for hf, g in _LAYER_NAMES.items():
+        for hf, g in names.items():
             out[f"model.layers.{i}.{hf}"] = (f"blk.{i}.{g}", shapes[g])
     return out
 
@@ -292,7 +312,7 @@ def plan_tensors(h: HParams, ckpt: Checkpoint, outtype: str) -> list[Item]:
     ignored = {"lm_head.weight"} if h.tied else set()  # transformers ties it to embed_tokens anyway
     for name in ckpt.files:
         if name not in expected and name not in ignored and not name.endswith("rotary_emb.inv_freq"):
-            raise KvcliError(f"unexpected tensor {name} in the checkpoint (not a {h.n_layers}-layer Llama layout)")
+            raise KvcliError(f"unexpected tensor {name} in the checkpoint (not a {h.n_layers}-layer {h.arch} layout)")
     items = []
     if h.rope["rope_type"] == "llama3":
         factors = _llama3_rope_factors(h)
@@ -307,6 +327,7 @@ def plan_tensors(h: HParams, ckpt: Checkpoint, outtype: str) -> list[Item]:
         if dtype not in ("F32", "F16", "BF16"):
             raise KvcliError(f"tensor {hf_name} has unsupported dtype {dtype} (convert reads F32, F16, BF16)")
         heads = {"attn_q.weight": h.n_heads, "attn_k.weight": h.n_kv_heads}.get(gguf_name.split(".", 2)[-1], 0)
+        heads = heads if h.gguf_arch == "llama" else 0  # qwen: rows as Hugging Face has them (NEOX RoPE)
 
         def load(hf_name=hf_name, heads=heads):
             w = ckpt.load(hf_name)
@@ -349,13 +370,27 @@ def _add_metadata(w: Any, h: HParams, hf_dir: Path, outtype: str) -> None:
     w.add_head_count_kv(h.n_kv_heads)
     w.add_rope_freq_base(h.rope_theta)
     w.add_layer_norm_rms_eps(h.rms_eps)
-    w.add_rope_dimension_count(h.head_dim)
+    if h.gguf_arch == "llama":  # LlamaModel writes it; llama.cpp's Qwen2Model/Qwen3Model do not (n_rot = head size)
+        w.add_rope_dimension_count(h.head_dim)
     if h.explicit_head_dim:  # as llama.cpp: only when config.json names it
         w.add_key_length(h.head_dim)
         w.add_value_length(h.head_dim)
-    if h.rope["rope_type"] == "linear" and h.rope.get("factor") is not None:
+    r = h.rope
+    if r["rope_type"] == "linear" and r.get("factor") is not None:
         w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
-        w.add_rope_scaling_factor(float(h.rope["factor"]))
+        w.add_rope_scaling_factor(float(r["factor"]))
+    elif r["rope_type"] == "yarn" and r.get("factor") is not None:  # llama.cpp's TextModel: the optional keys as given
+        w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+        w.add_rope_scaling_factor(float(r["factor"]))
+        w.add_rope_scaling_orig_ctx_len(int(r["original_max_position_embeddings"]))
+        if r.get("extrapolation_factor") is not None:
+            w.add_rope_scaling_yarn_ext_factor(float(r["extrapolation_factor"]))
+        if r.get("attention_factor", r.get("attn_factor")) is not None:
+            w.add_rope_scaling_yarn_attn_factor(float(r.get("attention_factor", r.get("attn_factor"))))
+        if r.get("beta_fast") is not None:
+            w.add_rope_scaling_yarn_beta_fast(float(r["beta_fast"]))
+        if r.get("beta_slow") is not None:
+            w.add_rope_scaling_yarn_beta_slow(float(r["beta_slow"]))
 
 
 def _default_log(line: str) -> None:
@@ -414,7 +449,7 @@ def _check_out(out: Path, force: bool) -> None:
 
 def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike | None = None, outtype: str = "f16",
                force: bool = False, progress: bool = True, log: Callable[[str], None] | None = None) -> Path:
-    """Convert a Hugging Face Llama/Mistral directory to `out_path` (GGUF); returns the path written.
+    """Convert a Hugging Face Llama/Mistral/Qwen2/Qwen3 directory to `out_path` (GGUF); returns the path written.
     `out_path` None or a directory: `default_out_name` in the model directory or that one, as llama.cpp.
 
     Writes `.OUT.<pid>.<hex>.tmp` next to OUT and renames it into place only when complete; any failure
@@ -441,7 +476,7 @@ def convert_hf(hf_dir: str | os.PathLike, out_path: str | os.PathLike | None = N
     remove_stale_temps(out.parent, log)
     # next to OUT so that os.replace is an atomic rename on one file system
     tmp = out.parent / f".{out.name}.{os.getpid()}.{secrets.token_hex(4)}.tmp"
-    writer = gguf.GGUFWriter(tmp, "llama")
+    writer = gguf.GGUFWriter(tmp, h.gguf_arch)
     try:
         _add_metadata(writer, h, hf_dir, outtype)
         log(add_vocab(writer, hf_dir, h.vocab_size, log))

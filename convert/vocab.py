@@ -63,6 +63,11 @@ PRE_BY_HASH = {
     "53e325976a6e142379c19b09afcae354f2f496f147afa8f9e189a33fe4e3024e": "granite-docling",  # ibm-granite/granite-docling-258M
 }
 
+# Qwen2's pre-tokenizer regex as Qwen2/2.5/3 tokenizer.json files write it (a Split before a ByteLevel that
+# has no regex of its own): a vocabulary retrained with it has an unknown hash but llama.cpp's 'qwen2' split.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
 # Token texts llama.cpp's converter marks CONTROL even when the tokenizer calls them non-special.
 _LOOKS_SPECIAL = {"<pad>", "<mask>", "<2mass>", "[@BOS@]"}
 
@@ -215,12 +220,18 @@ def _bpe_vocab(hf_dir: Path, n_vocab: int, log: Callable[[str], None]) -> tuple[
 
 
 def detect_pre(tok: Any, data: dict, log: Callable[[str], None]) -> str:
-    """tokenizer.ggml.pre for a BPE tokenizer: llama.cpp's check-string hash first; then one structural
-    rule (a lone GPT-2 ByteLevel pre-tokenizer, no normalizer -> 'gpt-2'); else 'default' with a warning."""
+    """tokenizer.ggml.pre for a BPE tokenizer: llama.cpp's check-string hash first; then two structural
+    rules (a lone GPT-2 ByteLevel pre-tokenizer, no normalizer -> 'gpt-2'; Qwen2's Split + regex-less
+    ByteLevel -> 'qwen2'); else 'default' with a warning."""
     chkhsh = sha256(str(tok.encode(CHKTXT).ids).encode()).hexdigest()
     if chkhsh in PRE_BY_HASH:
         return PRE_BY_HASH[chkhsh]
     pre = data.get("pre_tokenizer") or {}
+    parts = (pre.get("pretokenizers") or []) if pre.get("type") == "Sequence" else []
+    split = parts[0] if len(parts) == 2 and parts[0].get("type") == "Split" else {}
+    split_regex = (split.get("pattern") or {}).get("Regex")
+    if split_regex == QWEN2_SPLIT and parts[1].get("type") == "ByteLevel" and not parts[1].get("use_regex", True):
+        return "qwen2"
     if pre.get("type") == "Sequence" and len(pre.get("pretokenizers") or []) == 1:
         pre = pre["pretokenizers"][0]
     if (data.get("normalizer") is None and pre.get("type") == "ByteLevel" and pre.get("use_regex", True)

@@ -246,8 +246,10 @@ def open_gguf(path: str | os.PathLike) -> GGUFModel:
 # would otherwise surface as a ValueError deep inside int()).
 _INT_KEYS = ("block_count", "embedding_length", "feed_forward_length", "attention.head_count",
              "attention.head_count_kv", "attention.key_length", "rope.dimension_count", "vocab_size",
-             "context_length")
-_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor")
+             "context_length", "rope.scaling.original_context_length")
+_FLOAT_KEYS = ("attention.layer_norm_rms_epsilon", "rope.freq_base", "rope.scaling.factor", "rope.scaling.attn_factor",
+               "rope.scaling.yarn_attn_factor", "rope.scaling.yarn_beta_fast", "rope.scaling.yarn_beta_slow",
+               "rope.scaling.yarn_ext_factor")
 
 
 def _config(metadata: dict[str, Any], tensors: dict[str, Any], path: str) -> ModelConfig:
@@ -292,7 +294,7 @@ def _short(value: Any) -> str:
 
 
 def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Every tensor the llama decoder needs, in torch (rows, cols) order."""
+    """Every tensor the decoder needs, in torch (rows, cols) order (qwen2's biases, qwen3's head norms included)."""
     shapes: dict[str, tuple[int, ...]] = {
         "token_embd.weight": (c.vocab_size, c.n_embd),
         "output_norm.weight": (c.n_embd,),
@@ -311,6 +313,10 @@ def expected_shapes(c: ModelConfig) -> dict[str, tuple[int, ...]]:
             b + "ffn_up.weight": (c.n_ff, c.n_embd),
             b + "ffn_down.weight": (c.n_embd, c.n_ff),
         }
+        if c.qkv_bias:
+            shapes |= {b + "attn_q.bias": (q_dim,), b + "attn_k.bias": (kv_dim,), b + "attn_v.bias": (kv_dim,)}
+        if c.qk_norm:
+            shapes |= {b + "attn_q_norm.weight": (c.head_dim,), b + "attn_k_norm.weight": (c.head_dim,)}
     return shapes
 
 

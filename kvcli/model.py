@@ -1,13 +1,17 @@
-"""The Llama decoder: RMSNorm, RoPE (GGUF adjacent-pair layout), GQA attention, SwiGLU.
+"""The Llama decoder: RMSNorm, RoPE, GQA attention, SwiGLU; Qwen2/Qwen3 as switches of it.
 
 It knows nothing of cache formats: each block hands q, its new K/V and its normed input x
 to `cache.attention`, which stores what its format keeps (K/V, or x for the hidden-state
 cache) and returns the attention output over what the cache holds.
 The residual stream, norms, RoPE and softmax run in f32; matrices are resident forms
 (kvcli/weights.py: packed int4/int8 codes or dense tensors) whose `matmul` takes and returns f32.
+Per architecture (kvcli.config.ARCH_TRAITS, as llama.cpp's graphs): qwen2 adds attn_{q,k,v}.bias,
+qwen3 RMS-normalises each Q and K head (attn_{q,k}_norm) before RoPE; both rotate NEOX pairs.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 import torch.nn.functional as F
@@ -18,32 +22,59 @@ from kvcli.config import ModelConfig
 from kvcli.weights import Dense, cat
 
 
+def yarn_theta(c: ModelConfig, theta: torch.Tensor) -> torch.Tensor:
+    """YaRN's frequencies (ggml's rope_yarn, ext_factor = c.yarn_ext_factor): dims that turn more than
+    beta_fast times in the original context keep theta (extrapolate), fewer than beta_slow take
+    theta / factor (interpolate), a linear ramp between. theta (D/2,) f64 -> (D/2,) f64."""
+    D = c.head_dim
+
+    def corr_dim(n_rot: float) -> float:  # ggml_rope_yarn_corr_dim: the dim whose wavelength fits n_rot turns
+        return D * math.log(c.yarn_orig_ctx / (n_rot * 2 * math.pi)) / (2 * math.log(c.rope_base))
+
+    low, high = max(0.0, math.floor(corr_dim(c.yarn_beta_fast))), min(D - 1.0, math.ceil(corr_dim(c.yarn_beta_slow)))
+    j = torch.arange(D // 2, dtype=torch.float64)
+    mix = (1 - ((j - low) / max(0.001, high - low)).clamp(0, 1)) * c.yarn_ext_factor  # 1: extrapolate
+    return theta / c.rope_scale_factor * (1 - mix) + theta * mix
+
+
 def rope_table(c: ModelConfig, n_ctx: int, freq_factors: torch.Tensor | None = None) -> torch.Tensor:
-    """(n_ctx, head_dim/2) complex64 rotations e^{i * pos * theta_j}, theta_j = base^(-2j/D)."""
+    """(n_ctx, head_dim/2) complex64 rotations m * e^{i * pos * theta_j}, theta_j = base^(-2j/D), scaled as
+    c.rope_scaling says (llama.cpp's order: rope_freqs.weight first, then linear or YaRN); m = YaRN's mscale or 1."""
     theta = 1.0 / (c.rope_base ** (torch.arange(0, c.head_dim, 2, dtype=torch.float64) / c.head_dim))
     if freq_factors is not None:  # llama3-style rope_freqs.weight divides each frequency
         theta = theta / freq_factors.double()
-    pos = torch.arange(n_ctx, dtype=torch.float64) / c.rope_scale_factor  # linear scaling
-    angles = torch.outer(pos, theta).float()
-    return torch.polar(torch.ones_like(angles), angles)
+    if c.rope_scaling == "yarn":
+        theta = yarn_theta(c, theta)
+    elif c.rope_scaling == "linear":  # positions divided by the factor
+        theta = theta / c.rope_scale_factor
+    angles = torch.outer(torch.arange(n_ctx, dtype=torch.float64), theta).float()
+    mscale = c.yarn_mscale if c.rope_scaling == "yarn" else 1.0  # on cos and sin: q.k scaled by mscale^2
+    return torch.polar(torch.full_like(angles, mscale), angles)
 
 
-def apply_rope(x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-    """x (B, T, H, D) f32; rot (T, D/2) complex. GGUF llama layout: rotate pairs (2i, 2i+1).
+def rope_(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> None:
+    """RoPE in place on x (B, T, H, D) f32, a view whose last dimension is contiguous; rot (T, D/2) complex.
 
-    llama.cpp's converter permutes Q/K rows of a Hugging Face checkpoint so that the
-    pairs rotated together are adjacent (Meta's layout); this is the one place that relies on it.
-    """
-    B, T, H, D = x.shape
-    xc = torch.view_as_complex(x.reshape(B, T, H, D // 2, 2))
-    return torch.view_as_real(xc * rot[:, None, :]).reshape(B, T, H, D)
+    Which dims rotate together is the one layout choice: GGUF llama files pair (2i, 2i+1) (llama.cpp's
+    converter permutes Q/K rows to Meta's layout); qwen2/qwen3 files keep Hugging Face's rows and pair
+    (i, i + D/2) (rotate_half; llama.cpp's NEOX mode). Decode's few ops per layer: one complex multiply
+    (adjacent) or four real ones (neox) into the fused q/k/v product."""
+    if not neox:
+        xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
+        xc.mul_(rot[:, None])
+        return
+    x1, x2 = x.unflatten(-1, (2, -1)).unbind(-2)  # (B, T, H, D/2) each, views of x
+    cos, sin = rot.real[:, None], rot.imag[:, None]
+    x1_sin = x1 * sin
+    x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
+    x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
 
 
-def rope_(x: torch.Tensor, rot: torch.Tensor) -> None:
-    """apply_rope in place on x (B, T, H, D) f32, a view whose last dimension is contiguous (decode's
-    few ops per layer: one complex multiply into the fused q/k/v product)."""
-    xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
-    xc.mul_(rot[:, None])
+def apply_rope(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> torch.Tensor:
+    """rope_ on a copy: x (B, T, H, D) f32 -> rotated (B, T, H, D) f32."""
+    x = x.clone(memory_format=torch.contiguous_format)
+    rope_(x, rot, neox)
+    return x
 
 
 def _form(w, dtype: torch.dtype):
@@ -68,6 +99,12 @@ class Block(nn.Module):
         self.w_down = _form(w.pop(p + "ffn_down.weight"), dtype)
         self.dtype = dtype
         self.q_dim = c.n_heads * c.head_dim
+        # qwen2: one f32 bias for the fused q,k,v rows; qwen3: each Q head's and K head's norm weight, (H + Hkv, D)
+        bqkv = torch.cat([w.pop(p + f"attn_{n}.bias").float() for n in "qkv"]) if c.qkv_bias else None
+        self.register_buffer("bqkv", bqkv, persistent=False)
+        qk_norm = torch.cat([w.pop(p + "attn_q_norm.weight").float().expand(c.n_heads, -1),
+                             w.pop(p + "attn_k_norm.weight").float().expand(c.n_kv_heads, -1)]) if c.qk_norm else None
+        self.register_buffer("qk_norm", qk_norm, persistent=False)
         self._wkv = self._wk = self._wv_heads = None  # views of wqkv, made on first use
 
     @property
@@ -93,22 +130,44 @@ class Block(nn.Module):
                               for h in range(c.n_kv_heads)]
         return self._wv_heads
 
+    @property
+    def bv(self) -> torch.Tensor | None:
+        """V's bias per KV head, (Hkv, D) f32, or None: the hidden-state cache adds it to rebuilt values."""
+        return None if self.bqkv is None else self.bqkv[self.q_dim + self.c.kv_dim :].view(self.c.n_kv_heads, -1)
+
+    @property
+    def linear_kv(self) -> bool:
+        """K = adjacent-pair RoPE(x Wk) and V = x Wv, nothing more: what the hidden decode kernel rebuilds."""
+        return not (self.c.rope_neox or self.c.qkv_bias or self.c.qk_norm)
+
     def forms(self) -> dict:
         return {"wqkv": self.wqkv, "wo": self.wo, "w_gate_up": self.w_gate_up, "w_down": self.w_down}
 
     def project_k(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
-        """K = RoPE(x Wk) for normed inputs x (B, n, n_embd) f32 at rot's n positions -> (B, n, Hkv, D) f32,
-        multiplied as forward multiplies: the hidden-state cache rebuilds K so."""
+        """K = RoPE(x Wk + bk) (each head RMS-normed first where qk_norm) for normed inputs x (B, n, n_embd) f32
+        at rot's n positions -> (B, n, Hkv, D) f32, computed as forward computes it: the hidden-state cache
+        rebuilds K so."""
         c = self.c
         k = self.wk.matmul(x)  # (B, n, kv_dim)
-        return apply_rope(k.unflatten(-1, (c.n_kv_heads, c.head_dim)), rot)
+        if self.bqkv is not None:
+            k = k + self.bqkv[self.q_dim : self.q_dim + c.kv_dim]
+        k = k.unflatten(-1, (c.n_kv_heads, c.head_dim))  # (B, n, Hkv, D)
+        if self.qk_norm is not None:
+            k = F.rms_norm(k, (c.head_dim,), eps=c.rms_eps) * self.qk_norm[c.n_heads :]
+        return apply_rope(k, rot, c.rope_neox)
 
     def forward(self, h: torch.Tensor, cache: Cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
         x = F.rms_norm(h, (c.n_embd,), self.attn_norm, c.rms_eps)
-        qkv = self.wqkv.matmul(x).view(B, T, c.n_heads + 2 * c.n_kv_heads, c.head_dim)  # (B, T, H + 2*Hkv, D)
-        rope_(qkv[:, :, : c.n_heads + c.n_kv_heads], rot)  # q and k rotated where they lie: no copies
+        qkv = self.wqkv.matmul(x)  # (B, T, (H + 2*Hkv) * D)
+        if self.bqkv is not None:  # qwen2
+            qkv.add_(self.bqkv)
+        qkv = qkv.view(B, T, c.n_heads + 2 * c.n_kv_heads, c.head_dim)  # (B, T, H + 2*Hkv, D)
+        qk = qkv[:, :, : c.n_heads + c.n_kv_heads]
+        if self.qk_norm is not None:  # qwen3: each q and k head RMS-normed over its D dims
+            qk.copy_(F.rms_norm(qk, (c.head_dim,), eps=c.rms_eps) * self.qk_norm)
+        rope_(qk, rot, c.rope_neox)  # q and k rotated where they lie: no copies
         q, k, v = qkv.split((c.n_heads, c.n_kv_heads, c.n_kv_heads), 2)  # (B, T, H, D), (B, T, Hkv, D) x 2
         o = cache.attention(self.layer, q, k, v, x, pos)  # (B, T, H * D) f32
         h = h + self.wo.matmul(o)

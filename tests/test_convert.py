@@ -317,7 +317,7 @@ def _set(key, value):
     (_set("intermediate_size", 100), "has shape [192, 64], config.json implies [100, 64]"),
     (_set("num_attention_heads", "four"), "num_attention_heads must be a positive integer"),
     (lambda cfg: cfg.update(architectures=["MistralForCausalLM"], sliding_window=64), "sliding_window 64"),
-    (_set("rope_parameters", {"rope_type": "yarn", "factor": 4.0}), "RoPE scaling 'yarn' is not supported"),
+    (_set("rope_parameters", {"rope_type": "longrope", "factor": 4.0}), "RoPE scaling 'longrope' is not supported"),
     (_set("num_hidden_layers", 1), "unexpected tensor model.layers.1."),
     (_set("num_hidden_layers", 3), "checkpoint lacks tensor model.layers.2."),
 ], ids=["arch", "shape", "type", "sliding-window", "rope", "extra-tensor", "missing-tensor"])

@@ -112,3 +112,54 @@ def write_gguf(model, path: Path, arch: str = "llama", drop: str | None = None, 
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def make_hf_qwen(arch: str = "qwen2", n_heads=4, n_kv_heads=2, tied=False, n_layers=2, hidden=64, head_dim=16,
+                 seed=0, vocab=300, rope_scaling: dict | None = None, max_pos=256):
+    """A tiny random Qwen2ForCausalLM / Qwen3ForCausalLM (transformers' own classes), f32. Norms, Qwen2's
+    q,k,v biases and Qwen3's head norms are random too (transformers starts biases at 0, norms at 1),
+    so that a dropped or misplaced one shows in the logits."""
+    from transformers import Qwen2Config, Qwen2ForCausalLM, Qwen3Config, Qwen3ForCausalLM
+
+    config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM), "qwen3": (Qwen3Config, Qwen3ForCausalLM)}[arch]
+    extra = {"head_dim": head_dim} if arch == "qwen3" else {}  # Qwen3's default head_dim is 128
+    cfg = config_cls(vocab_size=vocab, hidden_size=hidden, intermediate_size=hidden * 3, num_hidden_layers=n_layers,
+                     num_attention_heads=n_heads, num_key_value_heads=n_kv_heads, max_position_embeddings=max_pos,
+                     rms_norm_eps=1e-6, rope_theta=10000.0, tie_word_embeddings=tied, bos_token_id=0, eos_token_id=0,
+                     rope_scaling=rope_scaling, **extra)
+    torch.manual_seed(seed)
+    model = model_cls(cfg).eval()
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            elif name.endswith(".bias"):
+                p.normal_(0.0, 0.5)
+    return model
+
+
+# Qwen2's pre-tokenizer regex, as Qwen2.5's tokenizer.json has it (a Split before a regex-less ByteLevel).
+QWEN2_REGEX = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+"
+               r"|\s+(?!\S)|\s+")
+
+
+def qwen_tokenizer(d: Path, vocab: int, corpus: list[str]) -> None:
+    """A byte-level BPE of `vocab` ids trained on corpus with Qwen2's pre-tokenizer and its three control
+    tokens (<|endoftext|> first: id 0), written to d as tokenizer.json + tokenizer_config.json."""
+    import json
+
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.decoder = decoders.ByteLevel()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(QWEN2_REGEX), "isolated"),
+        pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    special = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+    tok.train_from_iterator(corpus, trainers.BpeTrainer(vocab_size=vocab, special_tokens=special, show_progress=False,
+                                                        initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    assert tok.get_vocab_size() == vocab, tok.get_vocab_size()
+    tok.save(str(d / "tokenizer.json"))
+    (d / "tokenizer_config.json").write_text(json.dumps({
+        "tokenizer_class": "Qwen2Tokenizer", "bos_token": None, "eos_token": "<|endoftext|>",
+        "add_bos_token": False}))

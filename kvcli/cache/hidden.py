@@ -73,7 +73,7 @@ class _Values(_Keys):
     def weighted_sum(self, layer: int, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """p (B, Hkv, R, n) -> (B, Hkv, R, D)."""
         xs = p @ self.cache.x_chunk(layer, start, end)[:, None]  # (B, Hkv, R, n_embd)
-        return self.cache.project_values(layer, xs)
+        return self.cache.project_values(layer, xs, p.sum(-1, keepdim=True))
 
 
 class HiddenCache:
@@ -145,6 +145,8 @@ class HiddenCache:
         block, xr = self.model.blocks[layer], recent.transpose(1, 2).reshape(B, -1, E)
         k = block.project_k(xr, self.model.rot[r0 : pos + T])  # (B, n, Hkv, D)
         v = torch.stack([w.matmul(xr) for w in block.wv_heads], 2)  # (B, n, Hkv, D): the window's own V
+        if block.bv is not None:
+            v = v + block.bv
         return self.attend.hidden(q, self, layer, pos, Recent(k.transpose(1, 2), v.transpose(1, 2), r0, self.window))
 
     def load_x(self, layer: int, start: int, end: int) -> torch.Tensor:
@@ -164,14 +166,18 @@ class HiddenCache:
         return self.model.blocks[layer].project_k(self.x_chunk(layer, start, end), self.model.rot[start:end]).transpose(1, 2)
 
     def values(self, layer: int, start: int, end: int) -> torch.Tensor:
-        """V = x Wv at positions start..end-1 -> (B, Hkv, n, D) f32 (attention itself never builds it)."""
-        x = self.x_chunk(layer, start, end)  # (B, n, n_embd)
-        return torch.stack([w.matmul(x) for w in self.model.blocks[layer].wv_heads], 1)
+        """V = x Wv (+ bv) at positions start..end-1 -> (B, Hkv, n, D) f32 (attention itself never builds it)."""
+        x, block = self.x_chunk(layer, start, end), self.model.blocks[layer]  # x (B, n, n_embd)
+        v = torch.stack([w.matmul(x) for w in block.wv_heads], 1)
+        return v if block.bv is None else v + block.bv[:, None]
 
-    def project_values(self, layer: int, xs: torch.Tensor) -> torch.Tensor:
-        """xs (B, Hkv, R, n_embd), weighted sums of x for each KV head's query rows -> (B, Hkv, R, D):
-        head h's rows times Wv_h, one product per KV head."""
-        return torch.stack([w.matmul(xs[:, h]) for h, w in enumerate(self.model.blocks[layer].wv_heads)], 1)
+    def project_values(self, layer: int, xs: torch.Tensor, p_sum: torch.Tensor) -> torch.Tensor:
+        """xs (B, Hkv, R, n_embd), weighted sums of x for each KV head's query rows, p_sum (B, Hkv, R, 1) the
+        chunk's sums of those weights -> (B, Hkv, R, D): head h's rows times Wv_h, one product per KV head.
+        With a V bias: sum_t p_t (Wv x_t + bv) = Wv (sum_t p_t x_t) + bv sum_t p_t, p summed over this chunk."""
+        block = self.model.blocks[layer]
+        out = torch.stack([w.matmul(xs[:, h]) for h, w in enumerate(block.wv_heads)], 1)
+        return out if block.bv is None else out + block.bv[:, None] * p_sum
 
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         rot = self.model.rot
