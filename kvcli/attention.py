@@ -102,10 +102,12 @@ def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, recent: Recent |
 
 
 def hidden_kernel_covers(q: torch.Tensor, cache) -> bool:
-    """The hidden-state decode kernel: T = 1, dense x, a power-of-two head size >= 32 (tl.dot needs 16 a side)."""
-    D, h = q.shape[-1], cache.h.kernel_layout()
-    dense = hasattr(cache.model.blocks[0].wkv, "w")  # the kernel reads a plain K/V weight (packed forms: CPU only)
-    return dense and q.shape[1] == 1 and h is not None and h.kind in DENSE_KINDS and D >= 32 and D & (D - 1) == 0
+    """The hidden-state decode kernel: T = 1, dense x, a power-of-two head size >= 32 (tl.dot needs 16 a side),
+    K = RoPE(x Wk) as Llama's (no bias, head norm or NEOX pairs: qwen2/qwen3 run the reference)."""
+    D, h, block = q.shape[-1], cache.h.kernel_layout(), cache.model.blocks[0]
+    dense = hasattr(block.wkv, "w")  # the kernel reads a plain K/V weight (packed forms: CPU only)
+    return (dense and block.linear_kv and q.shape[1] == 1 and h is not None and h.kind in DENSE_KINDS
+            and D >= 32 and D & (D - 1) == 0)
 
 
 def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> torch.Tensor:

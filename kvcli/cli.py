@@ -41,7 +41,7 @@ def _options(version: bool = typer.Option(False, "--version", callback=_print_ve
 
 
 app.command("convert", short_help="Convert a Hugging Face checkpoint to GGUF.",
-            help="Convert a Hugging Face Llama/Mistral checkpoint directory to a GGUF file.")(convert_command)
+            help="Convert a Hugging Face Llama, Mistral, Qwen2 or Qwen3 checkpoint directory to a GGUF file.")(convert_command)
 app.command("perplexity", short_help="Perplexity and KL divergence; --sweep compares caches.", help="Perplexity and KL divergence over a text file, llama-perplexity's method; "
                                "--sweep compares cache types.")(perplexity_command)
 

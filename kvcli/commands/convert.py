@@ -18,7 +18,7 @@ def convert_command(
     outtype: str = typer.Option("f16", "--outtype", help="Weight type: f32, f16, bf16, q8_0 or q4_0."),
     force: bool = typer.Option(False, "--force", help="Overwrite OUT if it exists."),
 ):
-    """Convert a Hugging Face Llama/Mistral checkpoint to a llama.cpp-compatible GGUF file."""
+    """Convert a Hugging Face Llama, Mistral, Qwen2 or Qwen3 checkpoint to a llama.cpp-compatible GGUF file."""
     with user_errors():
         from kvcli.convert.hf_to_gguf import convert_hf  # imports torch: only when converting
 
