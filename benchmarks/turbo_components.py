@@ -18,7 +18,8 @@ dash-separated parts, defaults in brackets:
     okv | ok | o0           per-head mean offset on keys and values, keys only, none [okv]
     s4 | s0                 f16 sink positions [s4]
     rot | norot             Hadamard rotation or none [rot]
-A K/V pair is written KVARIANT/VVARIANT, e.g. b3/b2-blk32. Registered types (tq4, q4_hadamard, ...) may be given
+A K/V pair is written KVARIANT/VVARIANT, e.g. b3/b2-blk32, a recent window VARIANT@N, e.g. b3-lm@16.
+Registered types (tq4, q4_hadamard, ...) may be given
 as they are. Each run is `kvcli perplexity -f FILE -c C --chunks N --sweep VARIANTS` in this
 process; the table is that command's.
 """
@@ -165,7 +166,8 @@ def main():
     ap.add_argument("--json", default=None)
     ap.add_argument("-t", "--threads", type=int, default=None)
     a = ap.parse_args()
-    sweep = ",".join("/".join(variant(side) for side in v.split("/")) for v in a.variants)
+    sweep = ",".join("/".join(variant(side) for side in v.partition("@")[0].split("/")) + "".join(v.partition("@")[1:])
+                     for v in a.variants)  # a recent window as the sweep takes it: VARIANT@N
     from kvcli.cli import app
 
     args = ["perplexity", "-f", a.file, "-c", str(a.ctx), "--chunks", str(a.chunks), "--sweep", sweep]

@@ -36,12 +36,12 @@ def parse_bytes(text: str) -> int:
 
 
 def choices(window: int | None = None) -> list[CacheSpec]:
-    """Every KV type as a K=V pair, llama.cpp's mixed favourites, and every hidden-state type; each with
-    `window` (None: its types' default)."""
+    """Every KV type as a K=V pair, the mixed pairs measured worth having (keys cost more than values at
+    low bits: benchmarks/README.md), and every hidden-state type; each with `window` (None: its types' default)."""
     from kvcli.cache import STORAGE_TYPES
 
     types = list(STORAGE_TYPES)
-    pairs = [(t, t) for t in types] + [("q8_0", "q4_hadamard"), ("q4_hadamard", "f16")]
+    pairs = [(t, t) for t in types] + [("q8_0", "q4_hadamard"), ("q4_hadamard", "f16"), ("tq4", "tq3"), ("tq3", "tq2")]
     return ([CacheSpec("kv", k, v, window=window) for k, v in pairs]
             + [CacheSpec("hidden", type_h=t, window=window) for t in types])
 

@@ -76,7 +76,7 @@ def test_bytes_per_element_and_fixed_costs(name, tile, keys):
     L, B, H, n, D = 3, 2, 4, 100, 64
     cls = resolve_type(name)
     bits, _ = FORMATS[name]
-    assert cls.bits_per_element() == bits and cls.rotated and cls.default_window == 0
+    assert cls.bits_per_element() == bits and cls.rotated and cls.default_window >= 16  # measured, benchmarks/README.md
     store = cls(L, B, H, n, D, keys=keys, tile=tile)
     n_pad = 128  # padded to a multiple of 64 positions
     codes_and_scales = L * B * H * n_pad * D * bits / 8

@@ -161,7 +161,8 @@ class TurboStore(RotatedStore):
 
     bits: ClassVar[int]
     levels: ClassVar[tuple[float, ...]]  # the codebook L, ascending, in units of the block's scale
-    default_window: ClassVar[int] = 0  # newest positions kept in f16 (the cache-level window), none yet
+    # newest positions kept in f16 (kvcli/cache/window.py), per type from KLD per size (benchmarks/README.md)
+    default_window: ClassVar[int] = 16
     scale_grid: ClassVar[tuple[float, ...]] = SCALE_GRID
     signed: ClassVar[bool] = False  # the scale's sign follows each block's largest element (for asymmetric L)
 
@@ -470,6 +471,7 @@ class TQ3Store(TurboStore):
     name = "tq3"
     bits, block_size, block_bytes = 3, 64, 26  # 24 bytes of codes and a bf16 scale per 64 elements: 3.25 bits
     levels, signed = uniform_levels(3, tread=True), True  # -4 .. 3
+    default_window = 64  # KLD 0.0225 with 16, 0.0137 with 64: 1.4 MiB more on SmolLM2, whatever the context
     scale_grid = tuple(round(0.64 + 0.06 * i, 2) for i in range(8))
 
 
@@ -478,4 +480,5 @@ class TQ2Store(TurboStore):
     bits, block_size, block_bytes = 2, 64, 18  # 16 bytes of codes and a bf16 scale per 64 elements: 2.25 bits
     levels = uniform_levels(2)  # +-0.5, +-1.5: at 2 bits the symmetric grid measured better
     offset_values = False  # keys only: values' offset measured worse at 2 bits
+    default_window = 64
     scale_grid = tuple(round(0.25 + 0.09 * i, 2) for i in range(8))
