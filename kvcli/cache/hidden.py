@@ -73,7 +73,7 @@ class _Values(_Keys):
     def weighted_sum(self, layer: int, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
         """p (B, Hkv, R, n) -> (B, Hkv, R, D)."""
         xs = p @ self.cache.x_chunk(layer, start, end)[:, None]  # (B, Hkv, R, n_embd)
-        return self.cache.project_values(layer, xs, p.sum(-1, keepdim=True))
+        return self.cache.project_values(layer, xs, p)
 
 
 class HiddenCache:
@@ -171,13 +171,13 @@ class HiddenCache:
         v = torch.stack([w.matmul(x) for w in block.wv_heads], 1)
         return v if block.bv is None else v + block.bv[:, None]
 
-    def project_values(self, layer: int, xs: torch.Tensor, p_sum: torch.Tensor) -> torch.Tensor:
-        """xs (B, Hkv, R, n_embd), weighted sums of x for each KV head's query rows, p_sum (B, Hkv, R, 1) the
-        chunk's sums of those weights -> (B, Hkv, R, D): head h's rows times Wv_h, one product per KV head.
+    def project_values(self, layer: int, xs: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+        """xs (B, Hkv, R, n_embd), weighted sums of x for each KV head's query rows, p (B, Hkv, R, n) the
+        chunk's weights -> (B, Hkv, R, D): head h's rows times Wv_h, one product per KV head.
         With a V bias: sum_t p_t (Wv x_t + bv) = Wv (sum_t p_t x_t) + bv sum_t p_t, p summed over this chunk."""
         block = self.model.blocks[layer]
         out = torch.stack([w.matmul(xs[:, h]) for h, w in enumerate(block.wv_heads)], 1)
-        return out if block.bv is None else out + block.bv[:, None] * p_sum
+        return out if block.bv is None else out + block.bv[:, None] * p.sum(-1, keepdim=True)  # summed only with a bias
 
     def cos_sin(self) -> tuple[torch.Tensor, torch.Tensor]:
         rot = self.model.rot
