@@ -194,8 +194,18 @@ def test_chat_page(server, browser):
     assert last_reply(d).strip()
     assert text(d, "#error") == ""
 
-    # no console errors, and every request went to the page's own origin
-    severe = [e for e in d.get_log("browser") if e["level"] == "SEVERE"]
+    # 4. the server's error object is shown, and the refused text is given back to the input
+    long_prompt = "word " * 1500  # more tokens than the slot's 1024
+    d.execute_script("document.getElementById('input').value = arguments[0]", long_prompt)
+    d.find_element(By.ID, "send").click()
+    wait.until(lambda d: text(d, "#error") != "" and not is_busy(d))
+    if not LLAMA:
+        assert "1024" in text(d, "#error"), text(d, "#error")  # names the slot's context
+    assert d.find_element(By.ID, "input").get_attribute("value") == long_prompt.strip()
+    assert len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 6
+
+    # no console errors but the refused request's own line; every request went to the page's origin
+    severe = [e for e in d.get_log("browser") if e["level"] == "SEVERE" and "status of 400" not in e["message"]]
     assert not severe, severe
     urls = set(d.execute_script("return performance.getEntriesByType('resource').map(e => e.name)"))
     for entry in d.get_log("performance"):
