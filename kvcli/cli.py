@@ -19,6 +19,7 @@ from kvcli.cli_common import (WINDOW_HELP, CacheModeOpt, CthOpt, CtkOpt, CtvOpt,
                               user_errors)
 from kvcli.commands.convert import convert_command
 from kvcli.commands.perplexity import perplexity_command
+from kvcli.commands.serve import serve_command
 from kvcli.errors import KvcliError
 from kvcli.memory import GIB, MIB, WORKING_BYTES
 
@@ -44,6 +45,7 @@ app.command("convert", short_help="Convert a Hugging Face checkpoint to GGUF.",
             help="Convert a Hugging Face Llama, Mistral, Qwen2 or Qwen3 checkpoint directory to a GGUF file.")(convert_command)
 app.command("perplexity", short_help="Perplexity and KL divergence; --sweep compares caches.", help="Perplexity and KL divergence over a text file, llama-perplexity's method; "
                                "--sweep compares cache types.")(perplexity_command)
+app.command("serve", short_help="An OpenAI-compatible server with parallel slots (llama-server).")(serve_command)
 
 
 @app.command(short_help="Fetch the default model.")

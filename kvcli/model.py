@@ -53,7 +53,8 @@ def rope_table(c: ModelConfig, n_ctx: int, freq_factors: torch.Tensor | None = N
 
 
 def rope_(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> None:
-    """RoPE in place on x (B, T, H, D) f32, a view whose last dimension is contiguous; rot (T, D/2) complex.
+    """RoPE in place on x (B, T, H, D) f32, a view whose last dimension is contiguous; rot (T, D/2) complex,
+    shared by the B rows, or (B, T, D/2), each row its own positions (the server's slots decode together).
 
     Which dims rotate together is the one layout choice: GGUF llama files pair (2i, 2i+1) (llama.cpp's
     converter permutes Q/K rows to Meta's layout); qwen2/qwen3 files keep Hugging Face's rows and pair
@@ -61,10 +62,10 @@ def rope_(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> None:
     (adjacent) or four real ones (neox) into the fused q/k/v product."""
     if not neox:
         xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
-        xc.mul_(rot[:, None])
+        xc.mul_(rot.unsqueeze(-2))  # (..., T, 1, D/2): one rotation for every head
         return
     x1, x2 = x.unflatten(-1, (2, -1)).unbind(-2)  # (B, T, H, D/2) each, views of x
-    cos, sin = rot.real[:, None], rot.imag[:, None]
+    cos, sin = rot.real.unsqueeze(-2), rot.imag.unsqueeze(-2)
     x1_sin = x1 * sin
     x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
     x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
@@ -176,6 +177,21 @@ class Block(nn.Module):
         return h + self.w_down.matmul(F.silu(gate) * up)
 
 
+class _Slots:
+    """Several one-sequence caches as one for Block.forward: rows b of a (B, 1, ...) decode batch go to
+    caches[b] at positions[b], and each cache stores and attends as it would alone (every cache type,
+    window and kernel unchanged). The block's projections, norms and MLP run batched over the B rows."""
+
+    def __init__(self, caches: list, positions: list[int]):
+        self.caches, self.positions = caches, positions
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+                  pos: int) -> torch.Tensor:
+        """q (B, 1, H, D), k/v (B, 1, Hkv, D), x (B, 1, n_embd) -> (B, 1, H * D); pos unused (each row's own)."""
+        return torch.cat([c.attention(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], x[b : b + 1], p)
+                          for b, (c, p) in enumerate(zip(self.caches, self.positions))])
+
+
 class Transformer(nn.Module):
     def __init__(self, c: ModelConfig, weights: dict, dtype: torch.dtype, n_ctx: int):
         """weights: GGUF name -> resident form (kvcli.weights) for matrices, or a plain tensor (a
@@ -214,6 +230,19 @@ class Transformer(nn.Module):
             h = h[:, -1:]
         h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps)
         return self.output.matmul(h)
+
+    @torch.inference_mode()
+    def forward_slots(self, tokens: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
+        """One decode step of B independent sequences: tokens (B, 1), row b the next token of the sequence
+        in caches[b] (one sequence each) at position positions[b] -> logits (B, vocab) f32. RoPE takes each
+        row's own position (rows of self.rot); all but attention is one batched product per layer."""
+        h = self.tok_embd.rows(tokens)  # (B, 1, n_embd) f32
+        rot = self.rot[torch.tensor(positions, device=self.rot.device)][:, None]  # (B, 1, D/2)
+        slots = _Slots(caches, positions)
+        for block in self.blocks:
+            h = block(h, slots, 0, rot)
+        h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps)
+        return self.output.matmul(h)[:, 0]
 
 
 def dtype_from_name(name: str) -> torch.dtype:

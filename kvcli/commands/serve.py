@@ -1,0 +1,91 @@
+"""`kvcli serve`: the command (flags, checks); the server is kvcli/serve (imported once the flags pass,
+so `kvcli --help` imports neither torch nor the web stack)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Optional
+
+import typer
+
+from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt,
+                              WeightsOpt, WindowOpt, cache_spec, ctx_option, log, parse_device, parse_dtype,
+                              parse_flash_attn, parse_threads, parse_weights, resolve_model, user_errors)
+from kvcli.errors import KvcliError
+
+
+def serve_command(
+    model_arg: Optional[Path] = ModelArg,
+    model: Optional[Path] = ModelOpt,
+    # llama-server's own default is -c 0 -np auto (4 slots over one unified pool); kvcli's slots each own a
+    # cache of c / np cells, so it keeps the earlier defaults: one slot of 4096 tokens
+    ctx_size: int = ctx_option(4096, "Total context in tokens, split evenly over the -np slots "
+                                     "(0: the model's trained context)."),
+    parallel: int = typer.Option(1, "-np", "--parallel", help="Slots: requests decoded together, each with "
+                                                              "c / np tokens of context."),
+    batch_size: int = typer.Option(512, "-b", "--batch-size", help="Prompt tokens per forward pass (a request's "
+                                                                   "prompt is prefilled a chunk per step)."),
+    queue: Optional[int] = typer.Option(None, "--queue", help="Requests that may wait for a slot when all are "
+                                                              "busy (default: 4 x np); past it: 503."),
+    host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
+    port: int = typer.Option(8080, "--port", help="Port to listen on."),
+    api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` "
+                                                                  "(/ and /health stay open)."),
+    cache_type_k: Optional[str] = CtkOpt,
+    cache_type_v: Optional[str] = CtvOpt,
+    cache_mode: str = CacheModeOpt,
+    cache_type_h: Optional[str] = CthOpt,
+    cache_window: Optional[int] = WindowOpt,
+    flash_attn: str = FlashOpt,
+    threads: Optional[int] = ThreadsOpt,
+    dtype: str = DtypeOpt,
+    weights: str = WeightsOpt,
+    device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the model and its caches run."),
+):
+    """An OpenAI-compatible server (llama-server): /v1/chat/completions, /v1/completions, /v1/models, /health,
+    /tokenize, /detokenize, /metrics, /props and a chat page at /. The -np slots decode together, one batched
+    step at a time; SIGINT/SIGTERM stop it."""
+    with user_errors():
+        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window)  # fail before loading
+        fa = parse_flash_attn(flash_attn)
+        device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
+        if ctx_size < 0:
+            raise KvcliError(f"-c/--ctx-size takes a token count (0: the model's trained context), not {ctx_size}")
+        if parallel < 1:
+            raise KvcliError(f"-np/--parallel takes 1 or more slots, not {parallel}")
+        if batch_size < 1:
+            raise KvcliError(f"-b/--batch-size takes 1 or more, not {batch_size}")
+        if queue is not None and queue < 0:
+            raise KvcliError(f"--queue takes 0 or more, not {queue}")
+        if not 0 <= port <= 65535:
+            raise KvcliError(f"--port takes 0..65535, not {port}")
+        if api_key is not None and not api_key:
+            raise KvcliError("--api-key takes a non-empty key")
+        if ctx_size and ctx_size < parallel * 2:
+            raise KvcliError(f"-c {ctx_size} over -np {parallel} slots leaves under 2 tokens per slot")
+        threads = parse_threads(threads)
+        path = resolve_model(model_arg, model)
+
+        from kvcli.serve.app import Server, serve
+
+        def load():
+            from kvcli.gguf_file import open_gguf
+            from kvcli.llama import Llama
+            from kvcli.serve.engine import Engine
+
+            total = ctx_size or open_gguf(path).config.context_length
+            if total < parallel * 2:
+                raise KvcliError(f"-c {total} over -np {parallel} slots leaves under 2 tokens per slot")
+            llm = Llama(path, ctx_size=total // parallel, dtype=dtype, cache_type_k=spec.type_k,
+                        cache_type_v=spec.type_v, batch_size=batch_size, threads=threads, flash_attn=fa,
+                        cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
+                        cache_window=spec.window)
+            c = llm.config
+            server.n_ctx, server.spec = (total // parallel) * parallel, llm.cache_spec
+            log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, {dtype} compute, {weights} weights, loaded in "
+                f"{llm.load_seconds:.2f} s)")
+            return Engine(llm, parallel, queue)
+
+        server = Server(path.name, ctx_size, parallel, spec, api_key)
+        code = serve(load, server, host, port, log)
+    raise typer.Exit(code)

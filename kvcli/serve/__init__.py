@@ -1,0 +1,1 @@
+"""`kvcli serve`: an OpenAI-compatible HTTP server (app.py) over parallel slots (engine.py)."""

@@ -1,0 +1,319 @@
+"""The server's engine: slots, a bounded queue and the step loop (continuous batching). No HTTP.
+
+Each of the -np slots owns a one-sequence cache of c / np cells, built as the Llama's own (which is
+slot 0's), so every cache type, the window, the hidden-state cache and the kernels work unchanged.
+One step (llama-server's update_slots): at most one prompt chunk of -b tokens for one slot being
+prefilled, then one batched forward over every decoding slot (Transformer.forward_slots), each row
+at its own position. A new request keeps the prefix its slot's cache shares with its prompt.
+
+The loop runs in one thread (torch releases the GIL in its ops); requests arrive through `submit`
+and report back through their `emit` callback, called on the engine thread.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from kvcli.cache import make_cache
+from kvcli.errors import KvcliError
+from kvcli.generate import Sampler
+from kvcli.memory import MIB, check_fits
+
+log = logging.getLogger("kvcli.serve")
+
+
+class QueueFull(KvcliError):
+    """Every slot is busy and the queue is full (the server answers 503)."""
+
+
+@dataclass
+class Piece:
+    """Text that became final (a stop string can no longer start in it), and the tokens it came from."""
+    text: str
+    logprobs: list[dict] = field(default_factory=list)  # per token: {"id", "logprob", "top": [(id, logprob)]}
+
+
+@dataclass
+class Done:
+    finish_reason: str  # "stop" (end of generation or a stop string) or "length" (max_tokens or slot context)
+    prompt_n: int       # prompt tokens evaluated now
+    cache_n: int        # prompt tokens reused from the slot's cache
+    predicted_n: int
+    prompt_ms: float
+    predicted_ms: float
+
+
+@dataclass
+class Failed:
+    message: str
+    code: int = 500
+
+
+@dataclass
+class Request:
+    """One completion. emit(event) is called on the engine thread with Piece, then Done or Failed."""
+    prompt: list[int]
+    emit: Callable[[object], None]
+    sampler: Sampler = field(default_factory=lambda: Sampler(temp=0))
+    max_tokens: int = -1  # -1: until end of generation or the slot's context end
+    stop: tuple[str, ...] = ()
+    logprobs: int | None = None  # None: none; n: the sampled token's log-probability and the n most likely
+    cancelled: bool = False      # set from any thread (a client gone): the slot is freed at the next step
+
+
+def common_prefix(a, b) -> int:
+    n = 0
+    for x, y in zip(a, b):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def partial_stop(text: str, stops: tuple[str, ...]) -> int:
+    """Length of the longest tail of text that begins some stop string (held back until it resolves)."""
+    best = 0
+    for s in stops:
+        for n in range(min(len(s) - 1, len(text)), best, -1):
+            if text.endswith(s[:n]):
+                best = n
+                break
+    return best
+
+
+class Slot:
+    def __init__(self, index: int, cache):
+        self.index, self.cache = index, cache
+        self.cached: list[int] = []  # the token ids whose positions the cache holds, in order
+        self.req: Request | None = None
+
+    def start(self, req: Request, tokenizer, now: float) -> None:
+        self.req = req
+        # keep the prefix the cache shares with the prompt; at least one token is evaluated anew
+        keep = min(common_prefix(self.cached, req.prompt), len(req.prompt) - 1)
+        del self.cached[keep:]
+        self.cache_n, self.todo = keep, req.prompt[keep:]
+        self.history = list(req.prompt)  # what the sampler's repeat penalty sees
+        self.stream = tokenizer.stream()
+        self.text, self.sent, self.n_out, self.next_token = "", 0, 0, None
+        self.t_start, self.prompt_s, self.t_gen = now, 0.0, None
+        self.logprobs: list[dict] = []
+
+    def cells_bytes(self) -> tuple[int, int]:
+        """(bytes in use, cells in use). A cell's bytes are the cache's bytes past its fixed part (the f16
+        window, allocated whole and counted as in use) over its cells: the cache types are affine in cells."""
+        fixed = self.cache.window_nbytes()
+        per_cell = (self.cache.nbytes() - fixed) / self.cache.n_ctx
+        return fixed + round(per_cell * len(self.cached)), len(self.cached)
+
+
+class Engine:
+    """Slots over one Llama (its cache is slot 0's; its n_ctx is the slot context, c / np)."""
+
+    def __init__(self, llm, n_slots: int, queue_size: int | None = None):
+        if n_slots < 1:
+            raise KvcliError(f"-np/--parallel takes 1 or more slots, not {n_slots}")
+        self.llm, self.model, self.tok = llm, llm.model, llm.tokenizer
+        self.n_ctx_slot = llm.n_ctx
+        self.eog = self.tok.eog_ids
+        if n_slots > 1 and llm.device == "cpu":  # the Llama checked weights + slot 0; the other slots here
+            check_fits(0, llm.config, llm.cache_spec, llm.n_ctx, n_slots - 1,
+                       what=f"{n_slots} slots of {llm.n_ctx} tokens")
+        caches = [llm.cache] + [make_cache(llm.config, llm.cache_spec, llm.n_ctx, 1, device=llm.device,
+                                           attention=llm.attention, model=llm.model) for _ in range(n_slots - 1)]
+        self.slots = [Slot(i, c) for i, c in enumerate(caches)]
+        self.queue_size = 4 * n_slots if queue_size is None else queue_size
+        self.pending: deque[Request] = deque()
+        self.cond = threading.Condition()
+        self.stopping = False
+        # counters for /metrics (llama-server's), written on the engine thread only
+        self.prompt_tokens_total = self.predicted_tokens_total = 0
+        self.prompt_seconds_total = self.predicted_seconds_total = 0.0
+
+    # ---- the other threads' side ----
+    def submit(self, req: Request) -> None:
+        """Queue a request. QueueFull when every slot is busy and the queue holds queue_size already;
+        KvcliError when the server is stopping or the prompt does not fit a slot."""
+        if not req.prompt:
+            raise KvcliError("the prompt is empty: it tokenizes to no tokens")
+        if len(req.prompt) >= self.n_ctx_slot:
+            raise KvcliError(f"the prompt is {len(req.prompt)} tokens, too long for a slot's context of "
+                             f"{self.n_ctx_slot} tokens (-c / -np), which must also hold the reply")
+        with self.cond:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            idle = sum(s.req is None for s in self.slots)
+            if len(self.pending) >= idle + self.queue_size:
+                raise QueueFull(f"all {len(self.slots)} slots are busy and {self.queue_size} requests already wait; "
+                                f"try again later")
+            self.pending.append(req)
+            self.cond.notify()
+
+    def stop(self) -> None:
+        """Refuse new requests; the loop fails what waits or runs (its streams end) and returns."""
+        with self.cond:
+            self.stopping = True
+            self.cond.notify()
+
+    def processing(self) -> int:
+        return sum(s.req is not None for s in self.slots)
+
+    def deferred(self) -> int:
+        return len(self.pending)
+
+    def cache_stats(self) -> dict:
+        """Bytes and cells of all slots' caches, allocated and in use (Slot.cells_bytes says how)."""
+        used = [s.cells_bytes() for s in self.slots]
+        return {"bytes": sum(s.cache.nbytes() for s in self.slots), "bytes_in_use": sum(b for b, _ in used),
+                "cells": self.n_ctx_slot * len(self.slots), "cells_in_use": sum(c for _, c in used)}
+
+    def describe(self) -> str:
+        """The start-up size line of all slots together, in the form of cache.describe()."""
+        c0, n = self.slots[0].cache, len(self.slots)
+        total = sum(s.cache.nbytes() for s in self.slots)
+        head = (f"size = {total / MIB:7.2f} MiB ({self.n_ctx_slot * n:6d} cells, {c0.n_layers:3d} layers, "
+                f"{n}/{n} seqs)")
+        if hasattr(c0, "h"):
+            parts = f"hidden cache: {head}, x ({c0.h.name}): {c0.h.nbytes() * n / MIB:7.2f} MiB"
+        else:
+            parts = (f"KV cache: {head}, K ({c0.k.name}): {c0.k.nbytes() * n / MIB:7.2f} MiB, "
+                     f"V ({c0.v.name}): {c0.v.nbytes() * n / MIB:7.2f} MiB")
+        if c0.window:
+            parts += f", window {c0.window} (f16): {c0.window_nbytes() * n / MIB:7.2f} MiB"
+        return parts + f"; {n} slots of {self.n_ctx_slot} tokens"
+
+    # ---- the engine thread ----
+    def run(self) -> None:
+        """The loop: assign waiting requests to idle slots, step, until stop()."""
+        while True:
+            with self.cond:
+                while not self.stopping and not self.pending and all(s.req is None for s in self.slots):
+                    self.cond.wait()
+                if self.stopping:
+                    break
+                self._assign()
+            self.step()
+        with self.cond:
+            waiting, self.pending = list(self.pending), deque()
+        for r in waiting + [s.req for s in self.slots if s.req is not None]:
+            r.emit(Failed("the server is shutting down", 503))
+        for s in self.slots:
+            s.req = None
+
+    def _assign(self) -> None:
+        """Waiting requests (oldest first) to idle slots: the one whose cache shares the longest prefix."""
+        while self.pending:
+            req = self.pending[0]
+            if req.cancelled:
+                self.pending.popleft()
+                continue
+            idle = [s for s in self.slots if s.req is None]
+            if not idle:
+                return
+            self.pending.popleft()
+            best = max(idle, key=lambda s: (common_prefix(s.cached, req.prompt), -s.index))
+            best.start(req, self.tok, time.perf_counter())
+
+    def step(self) -> None:
+        """One prompt chunk for one slot (the lowest-numbered prefilling), then one decode of every decoding slot."""
+        for s in self.slots:
+            if s.req is not None and s.req.cancelled:
+                s.req = None  # what the cache holds stays valid: s.cached
+        try:
+            pre = next((s for s in self.slots if s.req is not None and s.todo), None)
+            if pre is not None:
+                self._prefill(pre)
+            dec = [s for s in self.slots if s.req is not None and not s.todo and s.next_token is not None]
+            if dec:
+                self._decode(dec)
+        except Exception as e:  # a failed step fails its requests (their caches forgotten); the server goes on
+            if not isinstance(e, KvcliError):
+                log.exception("engine step failed")
+            for s in self.slots:
+                if s.req is not None:
+                    s.req.emit(Failed(f"generation failed: {e}"))
+                    s.req, s.cached = None, []
+
+    def _prefill(self, s: Slot) -> None:
+        chunk = s.todo[: self.llm.batch_size]
+        t0 = time.perf_counter()
+        tokens = torch.tensor(chunk, dtype=torch.long, device=self.llm.device)[None]
+        logits = self.model(tokens, s.cache, len(s.cached), last_only=True)[0, -1]
+        s.cached += chunk
+        s.todo = s.todo[len(chunk):]
+        s.prompt_s += time.perf_counter() - t0
+        if not s.todo:
+            s.t_gen = time.perf_counter()
+            self.prompt_tokens_total += len(s.req.prompt) - s.cache_n
+            self.prompt_seconds_total += s.prompt_s
+            self._take(s, logits)
+
+    def _decode(self, slots: list[Slot]) -> None:
+        t0 = time.perf_counter()
+        tokens = torch.tensor([[s.next_token] for s in slots], dtype=torch.long, device=self.llm.device)
+        if len(slots) == 1:  # the plain forward: as fast as `kvcli run`
+            logits = self.model(tokens, slots[0].cache, len(slots[0].cached))[:, 0]
+        else:
+            logits = self.model.forward_slots(tokens, [s.cache for s in slots], [len(s.cached) for s in slots])
+        self.predicted_seconds_total += time.perf_counter() - t0
+        for s, row in zip(slots, logits):
+            s.cached.append(s.next_token)
+            s.next_token = None
+            self._take(s, row)
+
+    def _take(self, s: Slot, logits: torch.Tensor) -> None:
+        """Sample the slot's next token from logits (V,) f32 and report it, or finish the request."""
+        req = s.req
+        token = req.sampler.sample(logits, s.history)
+        s.history.append(token)
+        s.n_out += 1
+        self.predicted_tokens_total += 1
+        if req.logprobs is not None:
+            lp = torch.log_softmax(logits.float(), -1)
+            top = torch.topk(lp, req.logprobs) if req.logprobs else None
+            s.logprobs.append({"id": token, "logprob": float(lp[token]),
+                               "top": [] if top is None else list(zip(top.indices.tolist(), top.values.tolist()))})
+        if token in self.eog:
+            s.text += s.stream.flush()
+            return self._finish(s, "stop")
+        s.text += s.stream.push(token)
+        hit = min((i for i in (s.text.find(st, max(0, s.sent - len(st))) for st in req.stop) if i >= 0), default=-1)
+        if hit >= 0:  # as llama.cpp: the output ends before the stop string
+            s.text = s.text[:hit]
+            return self._finish(s, "stop")
+        if s.n_out == req.max_tokens or len(s.cached) >= self.n_ctx_slot:
+            s.text += s.stream.flush()
+            return self._finish(s, "length")
+        end = len(s.text) - partial_stop(s.text, req.stop)
+        if end > s.sent:
+            req.emit(Piece(s.text[s.sent:end], s.logprobs))
+            s.sent, s.logprobs = end, []
+        s.next_token = token
+
+    def _finish(self, s: Slot, reason: str) -> None:
+        req, now = s.req, time.perf_counter()
+        if len(s.text) > s.sent or s.logprobs:
+            req.emit(Piece(s.text[s.sent:], s.logprobs))
+        predicted_s = now - s.t_gen
+        req.emit(Done(reason, len(req.prompt) - s.cache_n, s.cache_n, s.n_out, s.prompt_s * 1000, predicted_s * 1000))
+        s.req, s.next_token = None, None
+
+
+def timings(d: Done) -> dict:
+    """llama-server's `timings` object of a finished request."""
+    def per_second(n, ms):
+        return n / ms * 1000 if ms > 0 else 0.0
+
+    return {"cache_n": d.cache_n, "prompt_n": d.prompt_n, "prompt_ms": d.prompt_ms,
+            "prompt_per_token_ms": d.prompt_ms / d.prompt_n if d.prompt_n else 0.0,
+            "prompt_per_second": per_second(d.prompt_n, d.prompt_ms),
+            "predicted_n": d.predicted_n, "predicted_ms": d.predicted_ms,
+            "predicted_per_token_ms": d.predicted_ms / d.predicted_n if d.predicted_n else 0.0,
+            "predicted_per_second": per_second(d.predicted_n, d.predicted_ms)}

@@ -1,0 +1,154 @@
+"""The server's engine without HTTP (issue 18, point 3): a batched decode of slots at different positions
+equals each slot decoding alone; a slot reuses its cached prefix; a slot's context end finishes "length";
+waiting requests are bounded. The real default model, f32 weights, compute and cache."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.errors import KvcliError
+from kvcli.generate import Sampler
+from kvcli.llama import Llama
+from kvcli.serve.engine import Done, Engine, Failed, Piece, QueueFull, Request, partial_stop
+
+
+@pytest.fixture(scope="module")
+def llm(default_model):
+    return Llama(default_model, ctx_size=64, dtype="f32", weights="f32", cache_type_k="f32", cache_type_v="f32",
+                 threads=1)  # one thread: the cores are shared, and torch threads that wait on a busy core crawl
+
+
+def _drain(engine: Engine, events: dict, steps: int = 400) -> None:
+    """Step until every request reported Done or Failed (bounded)."""
+    for _ in range(steps):
+        if all(e and isinstance(e[-1], (Done, Failed)) for e in events.values()):
+            return
+        with engine.cond:
+            engine._assign()
+        engine.step()
+    raise AssertionError(f"requests did not finish in {steps} steps")
+
+
+def _submit(engine: Engine, events: dict, key, prompt, **kw) -> Request:
+    events[key] = []
+    req = Request(list(prompt), events[key].append, **kw)
+    engine.submit(req)
+    return req
+
+
+def _text(events: list) -> str:
+    return "".join(e.text for e in events if isinstance(e, Piece))
+
+
+def test_batched_decode_equals_each_slot_alone(llm):
+    """Four slots at positions 5, 9, 14, 20: one forward_slots step gives each slot's solo logits."""
+    engine = Engine(llm, 4)
+    prompts = [llm.tokenize(t) for t in ("Hi there", "The capital of France is a city",
+                                         "Once upon a time, in a land far away, there",
+                                         "def add(a, b):\n    return a + b\n\nprint(add(2,")]
+    assert len({len(p) for p in prompts}) == 4
+    solo = []
+    for s, p in zip(engine.slots, prompts):
+        llm.model(torch.tensor([p[:-1]]), s.cache, 0)
+        solo.append(llm.model(torch.tensor([p[-1:]]), s.cache, len(p) - 1)[0, -1])
+    batched = llm.model.forward_slots(torch.tensor([[p[-1]] for p in prompts]), [s.cache for s in engine.slots],
+                                      [len(p) - 1 for p in prompts])
+    for b in range(4):
+        torch.testing.assert_close(batched[b], solo[b], rtol=1e-4, atol=1e-4)
+        assert int(batched[b].argmax()) == int(solo[b].argmax())
+
+
+def test_four_concurrent_requests_equal_their_solo_runs(llm):
+    engine = Engine(llm, 4)
+    prompts = [llm.tokenize(t, special=True) for t in ("Hello", "The sky is", "One, two, three,", "My name is")]
+    solo = {}
+    for i, p in enumerate(prompts):
+        ev = {}
+        _submit(engine, ev, i, p, max_tokens=8)
+        _drain(engine, ev)
+        solo[i] = _text(ev[i])
+    engine = Engine(llm, 4)
+    ev = {}
+    for i, p in enumerate(prompts):
+        _submit(engine, ev, i, p, max_tokens=8)
+    _drain(engine, ev)
+    assert {i: _text(ev[i]) for i in ev} == solo
+    assert all(ev[i][-1].predicted_n == 8 and ev[i][-1].finish_reason == "length" for i in ev)
+
+
+def test_prefix_reuse_evaluates_only_new_tokens(llm):
+    engine = Engine(llm, 2)
+    first = llm.tokenize("The quick brown fox jumps over the lazy dog.", special=True)
+    ev = {}
+    _submit(engine, ev, "a", first, max_tokens=4)
+    _drain(engine, ev)
+    second = first + llm.tokenize(" Then it", add_bos=False)
+    _submit(engine, ev, "b", second, max_tokens=8)
+    _drain(engine, ev)
+    done = ev["b"][-1]
+    assert done.cache_n == len(first) and done.prompt_n == len(second) - len(first)
+    assert engine.slots[0].cached[:len(second)] == second  # the slot that held the prefix took it
+    fresh = Engine(llm, 1)
+    ev2 = {}
+    _submit(fresh, ev2, "b", second, max_tokens=8)
+    _drain(fresh, ev2)
+    assert ev2["b"][-1].cache_n == 0 and _text(ev2["b"]) == _text(ev["b"])
+
+
+def test_slot_context_end_finishes_with_length(llm):
+    engine = Engine(llm, 1)
+    prompt = llm.tokenize("1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15,", special=True)
+    ev = {}
+    _submit(engine, ev, 0, prompt, max_tokens=1000, sampler=Sampler(temp=0, banned=llm.tokenizer.eog_ids))
+    _drain(engine, ev)
+    done = ev[0][-1]
+    assert done.finish_reason == "length" and len(prompt) + done.predicted_n == llm.n_ctx + 1
+    assert len(engine.slots[0].cached) == llm.n_ctx  # the last token is sampled, never evaluated
+
+
+def test_stop_string_ends_the_text_before_it(llm):
+    engine = Engine(llm, 1)
+    ev = {}
+    prompt = llm.tokenize("1, 2, 3, 4, 5,", special=True)
+    _submit(engine, ev, 0, prompt, max_tokens=20)
+    _drain(engine, ev)
+    full = _text(ev[0])
+    assert " 8" in full
+    _submit(engine, ev, 1, prompt, max_tokens=20, stop=(" 8",))
+    _drain(engine, ev)
+    assert _text(ev[1]) == full[: full.index(" 8")] and ev[1][-1].finish_reason == "stop"
+    assert partial_stop("abc 8", (" 8,",)) == 2 and partial_stop("abc", ("x",)) == 0
+
+
+def test_bad_requests_and_a_full_queue_are_refused(llm):
+    engine = Engine(llm, 1, queue_size=1)
+    with pytest.raises(KvcliError, match=f"{llm.n_ctx + 5} tokens.*{llm.n_ctx} tokens"):
+        engine.submit(Request([1] * (llm.n_ctx + 5), print))
+    ev = {}
+    _submit(engine, ev, 0, [1, 2], max_tokens=2)  # the idle slot's
+    _submit(engine, ev, 1, [1, 2], max_tokens=2)  # the queue's one place
+    with pytest.raises(QueueFull, match="busy"):
+        _submit(engine, ev, 2, [1, 2], max_tokens=2)
+    del ev[2]
+    _drain(engine, ev)
+    assert [e[-1].predicted_n for e in ev.values()] == [2, 2]
+
+
+def test_cancelled_request_frees_its_slot_and_stop_fails_the_rest(llm):
+    engine = Engine(llm, 1)
+    ev = {}
+    req = _submit(engine, ev, 0, llm.tokenize("Hello", special=True), max_tokens=50)
+    for _ in range(3):
+        with engine.cond:
+            engine._assign()
+        engine.step()
+    assert engine.processing() == 1
+    req.cancelled = True
+    engine.step()
+    assert engine.processing() == 0
+    _submit(engine, ev, 1, [1, 2], max_tokens=50)
+    engine.stop()
+    engine.run()  # returns at once, failing what waits
+    assert isinstance(ev[1][-1], Failed) and ev[1][-1].code == 503
+    assert engine.cache_stats()["cells_in_use"] > 0
