@@ -206,8 +206,9 @@ def main() -> None:
     print(f"model {Path(args.model).name}, {args.n} tokens per stream, -t {args.threads}, "
           f"{args.ctx_slot} cells per slot; load before: {os.getloadavg()[0]:.2f}")
     agg: dict[tuple[str, str, int], tuple[float, float]] = {}
-    for kind, cache in runs:
-        for n_par in streams:
+    # stream count outermost: the servers compared at one N run back to back, under the same load
+    for n_par in streams:
+        for kind, cache in runs:
             port = free_port()
             cmd = server_cmd(kind, cache, n_par, port, args)
             print("$", shlex.join(cmd), flush=True)
@@ -220,7 +221,7 @@ def main() -> None:
                 print(f"  note: {len(short)} of {n_par} streams ended short of {args.n}: {short}")
             per = sum((s.tokens - 1) / (s.last - s.first) for s in got if s.last > s.first) / len(got)
             agg[(kind, cache, n_par)] = (tokens / wall, per)
-            print(f"  {n_par} streams: {tokens} tokens in {wall:.2f} s", flush=True)
+            print(f"  {kind} {cache}, {n_par} streams: {tokens} tokens in {wall:.2f} s", flush=True)
 
     def llama_ref(cache: str, n_par: int):
         for c in (cache, "q4_0" if cache == "q4_hadamard" else None, "f16"):
