@@ -243,7 +243,13 @@ def create_app(server: Server) -> FastAPI:
         ids = tok.encode(body.content, add_bos=body.add_special, parse_special=body.parse_special)
         if not body.with_pieces:
             return {"tokens": ids}
-        return {"tokens": [{"id": i, "piece": _token_text(tok, i)[0]} for i in ids]}
+        def piece(i):  # as llama-server: the text, or its bytes where a token is part of a character
+            b = tok.token_to_bytes(i)
+            try:
+                return b.decode("utf-8")
+            except UnicodeDecodeError:
+                return list(b)
+        return {"tokens": [{"id": i, "piece": piece(i)} for i in ids]}
 
     @app.post("/detokenize")
     def detokenize(body: DetokenizeBody):
