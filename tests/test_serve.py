@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import signal
 import socket
@@ -76,11 +77,11 @@ def _stop(proc: subprocess.Popen) -> str:
 
 
 @pytest.fixture(scope="module")
-def server(default_model):
+def server(default_model, kvcli_run):  # the kvcli run comparisons start first and run beside it
     proc, base = _start(default_model, "-c", 4 * SLOT, "-np", 4, "--queue", 1, "--api-key", KEY, *EXACT)
     yield base
-    log = _stop(proc)
-    assert "Traceback" not in log, log
+    log = _stop(proc)  # SIGINT: exit code 0 (test_sigterm_ends_streams_and_exits_0 sends SIGTERM mid-stream)
+    assert proc.returncode == 0 and "Traceback" not in log, log
 
 
 @pytest.fixture(scope="module")
@@ -110,36 +111,51 @@ def _wait_metric(base: str, name: str, value: float, seconds: float = 30) -> Non
     raise AssertionError(f"{name} did not reach {value} in {seconds} s: {_metrics(base)[name]}")
 
 
-def _kvcli_run(model: Path, *args, stdin: str = "") -> str:
-    """What `kvcli run --temp 0` prints on stdout with the server's settings (one slot's context)."""
-    r = subprocess.run([_kvcli(), "run", "-m", str(model), "--temp", "0", "-c", str(SLOT), *EXACT, *args],
-                       input=stdin, capture_output=True, text=True, timeout=300)
-    assert r.returncode == 0, r.stderr
-    return r.stdout
+CHAT = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
+COMPLETION = "The three primary colors are"
+
+
+@pytest.fixture(scope="module")
+def kvcli_run(default_model):
+    """What `kvcli run --temp 0` prints on stdout with the server's settings (one slot's context), for the
+    chat (-cnv -p: the system prompt, the user turn on stdin) and the completion; started at once, in
+    the background, while the server loads."""
+    common = [_kvcli(), "run", "-m", str(default_model), "--temp", "0", "-c", str(SLOT), "-n", "16", *EXACT]
+    runs = {"chat": (common + ["-cnv", "-p", SYSTEM], CHAT[1]["content"] + "\n"),
+            "completion": (common + ["-p", COMPLETION, "--no-display-prompt"], "")}
+    procs = {k: subprocess.Popen(argv, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for k, (argv, _) in runs.items()}
+
+    def result(kind: str) -> str:
+        out, err = procs[kind].communicate(runs[kind][1], timeout=300)
+        assert procs[kind].returncode == 0, err
+        return out
+
+    yield result
+    for p in procs.values():
+        if p.poll() is None:
+            p.kill()
+            p.communicate()
 
 
 # ---- the openai client, greedy, against kvcli run ----
 
-def test_chat_equals_kvcli_run(server, client, default_model):
-    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "What is the capital of France?"}]
-    r = client.chat.completions.create(model="x", messages=messages, temperature=0, max_tokens=16)
+def test_chat_equals_kvcli_run(server, client, kvcli_run):
+    r = client.chat.completions.create(model="x", messages=CHAT, temperature=0, max_tokens=16)
     text = r.choices[0].message.content
     streamed = "".join(c.choices[0].delta.content or "" for c in client.chat.completions.create(
-        model="x", messages=messages, temperature=0, max_tokens=16, stream=True) if c.choices)
-    # -cnv -p: the system prompt; the user turn from stdin; the reply then a newline on stdout
-    expected = _kvcli_run(default_model, "-cnv", "-p", SYSTEM, "-n", "16", stdin=messages[1]["content"] + "\n")
-    assert text and text == streamed == expected.removesuffix("\n")
+        model="x", messages=CHAT, temperature=0, max_tokens=16, stream=True) if c.choices)
+    assert text and text == streamed == kvcli_run("chat").removesuffix("\n")  # the reply, then a newline
     assert r.usage.completion_tokens <= 16 and r.usage.total_tokens == r.usage.prompt_tokens + r.usage.completion_tokens
     assert r.model_extra["timings"]["predicted_n"] == r.usage.completion_tokens
 
 
-def test_completion_equals_kvcli_run(server, client, default_model):
-    prompt = "The three primary colors are"
-    r = client.completions.create(model="x", prompt=prompt, temperature=0, max_tokens=16)
-    chunks = list(client.completions.create(model="x", prompt=prompt, temperature=0, max_tokens=16, stream=True))
+def test_completion_equals_kvcli_run(server, client, kvcli_run):
+    r = client.completions.create(model="x", prompt=COMPLETION, temperature=0, max_tokens=16)
+    chunks = list(client.completions.create(model="x", prompt=COMPLETION, temperature=0, max_tokens=16, stream=True))
     streamed = "".join(c.choices[0].text for c in chunks if c.choices)
-    expected = _kvcli_run(default_model, "-p", prompt, "-n", "16", "--no-display-prompt")
-    assert r.choices[0].text == streamed == expected.removesuffix("\n").removesuffix(" [end of text]")
+    expected = kvcli_run("completion").removesuffix("\n").removesuffix(" [end of text]")
+    assert r.choices[0].text and r.choices[0].text == streamed == expected
     last = chunks[-1].model_dump()  # the final chunk carries the finish, usage and timings
     assert last["choices"][0]["finish_reason"] in ("stop", "length") and last["usage"]["completion_tokens"] > 0
     assert last["timings"]["prompt_n"] + last["timings"]["cache_n"] == last["usage"]["prompt_tokens"]
@@ -319,14 +335,24 @@ def test_chat_page(server):
     assert r.status_code == 200 and r.headers["content-type"].startswith("text/html") and "<html" in r.text.lower()
 
 
+def test_readme_openai_example(server):
+    """The README's `openai` example as written, pointed at this server (its key, a short reply)."""
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    block = re.search(r"With the `openai` client:\n\n((?:    .*\n|\n)+)", readme).group(1)
+    code = "\n".join(line[4:] for line in block.rstrip().splitlines())
+    code = code.replace("http://127.0.0.1:8080", server).replace('api_key="none"', f'api_key="{KEY}"')
+    code = code.replace("temperature=0,", "temperature=0, max_tokens=8,")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert r.returncode == 0 and r.stdout.strip(), r.stderr
+
+
 # ---- start and stop ----
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
-def test_signal_ends_streams_and_exits_0(default_model, sig):
+def test_sigterm_ends_streams_and_exits_0(default_model):
     proc, base = _start(default_model, "-c", 512, "-np", 1, "-t", 1)
     try:
         stream, lines = _open_stream(base, max_tokens=400)
-        proc.send_signal(sig)
+        proc.send_signal(signal.SIGTERM)
         rest = [line for line in lines if line]  # the stream ends: an error event, then [DONE]
         stream.__exit__(None, None, None)
         assert rest[-1] == "data: [DONE]" and "shutting down" in json.dumps(rest), rest[-3:]
