@@ -375,13 +375,16 @@ def test_health_is_503_while_loading():
         assert r.status_code == 503 and r.json()["error"]["message"] == "Loading model"
 
 
-def test_serve_help_and_bad_flags(default_model):
+def test_serve_help_and_bad_flags(default_model, tmp_path):
     r = runner.invoke(app, ["serve", "--help"])
     assert r.exit_code == 0 and "--parallel" in r.output and "--api-key" in r.output
     assert_clean_error(runner.invoke(app, ["serve", "-np", "0"]), "-np")
     assert_clean_error(runner.invoke(app, ["serve", "-ctk", "nope"]), "nope")
     assert_clean_error(runner.invoke(app, ["serve", "--port", "70000"]), "--port")
     assert_clean_error(runner.invoke(app, ["serve", "-c", "4", "-np", "4"]), "per slot")
+    bad = tmp_path / "bad.gguf"
+    bad.write_bytes(b"not a model" * 10)  # found only when loading, after the port is open: one line, exit 1
+    assert_clean_error(runner.invoke(app, ["serve", "-m", str(bad), "--port", str(_free_port())]), "not a GGUF")
     with socket.socket() as s:  # a port in use: one line, before the model loads
         s.bind(("127.0.0.1", 0))
         s.listen()
