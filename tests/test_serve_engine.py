@@ -11,6 +11,7 @@ from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler
 from kvcli.llama import Llama
+from kvcli.model import apply_rope
 from kvcli.serve.engine import Done, Engine, Failed, Piece, QueueFull, Request, partial_stop
 
 
@@ -40,6 +41,16 @@ def _submit(engine: Engine, events: dict, key, prompt, **kw) -> Request:
 
 def _text(events: list) -> str:
     return "".join(e.text for e in events if isinstance(e, Piece))
+
+
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_with_a_position_per_row(neox):
+    """rot (B, T, D/2), each row its own positions, rotates row b as rot[b] (T, D/2) alone (llama and NEOX pairs)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1, 4, 16, generator=g)  # (B, T, H, D)
+    rot = torch.polar(torch.ones(3, 1, 8), torch.randn(3, 1, 8, generator=g))  # (B, T, D/2)
+    rows = torch.cat([apply_rope(x[b : b + 1], rot[b], neox) for b in range(3)])
+    assert torch.equal(apply_rope(x, rot, neox), rows)
 
 
 def test_batched_decode_equals_each_slot_alone(llm):
