@@ -86,9 +86,41 @@ def test_readme_command(command, workdir, default_model):
         (workdir / "model.gguf").unlink(missing_ok=True)
     env = dict(os.environ, KVCLI_MODELS=str(default_model.parent))
     kvcli = shutil.which("kvcli", path=str(Path(sys.executable).parent)) or "kvcli"
+    if argv[1] == "serve":
+        return _check_server([kvcli, *argv[1:]], workdir, env)
     r = subprocess.run([kvcli, *shrunk(argv)[1:]], cwd=workdir, env=env, capture_output=True, text=True,
                        input="Say hello.\nAnd goodbye.\n" if is_chat(argv) else "", timeout=600)
     assert r.returncode == 0, f"{command}\n{r.stdout}\n{r.stderr}"
     assert "Traceback" not in r.stderr
     if is_chat(argv):
         assert "chat mode" in r.stderr and r.stdout.strip(), r.stderr
+
+
+def _check_server(argv: list[str], workdir: Path, env: dict) -> None:
+    """`kvcli serve` runs until stopped: started as written on a free port, healthy (bounded), then Ctrl-C: exit 0."""
+    import signal
+    import socket
+    import time
+    import urllib.request
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    proc = subprocess.Popen([*argv, "--port", str(port)], cwd=workdir, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        deadline, status = time.monotonic() + 120, None
+        while time.monotonic() < deadline and proc.poll() is None and status != 200:
+            try:
+                status = urllib.request.urlopen(f"http://127.0.0.1:{port}/health", timeout=2).status
+            except OSError:
+                time.sleep(0.2)
+        assert status == 200, "the server did not become healthy"
+    finally:
+        proc.send_signal(signal.SIGINT)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log = proc.communicate()[0]
+    assert proc.returncode == 0 and "KV cache: size =" in log and "Traceback" not in log, log

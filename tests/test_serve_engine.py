@@ -7,9 +7,11 @@ from __future__ import annotations
 import pytest
 import torch
 
+from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler
 from kvcli.llama import Llama
+from kvcli.model import apply_rope
 from kvcli.serve.engine import Done, Engine, Failed, Piece, QueueFull, Request, partial_stop
 
 
@@ -41,6 +43,16 @@ def _text(events: list) -> str:
     return "".join(e.text for e in events if isinstance(e, Piece))
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_rope_with_a_position_per_row(neox):
+    """rot (B, T, D/2), each row its own positions, rotates row b as rot[b] (T, D/2) alone (llama and NEOX pairs)."""
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(3, 1, 4, 16, generator=g)  # (B, T, H, D)
+    rot = torch.polar(torch.ones(3, 1, 8), torch.randn(3, 1, 8, generator=g))  # (B, T, D/2)
+    rows = torch.cat([apply_rope(x[b : b + 1], rot[b], neox) for b in range(3)])
+    assert torch.equal(apply_rope(x, rot, neox), rows)
+
+
 def test_batched_decode_equals_each_slot_alone(llm):
     """Four slots at positions 5, 9, 14, 20: one forward_slots step gives each slot's solo logits."""
     engine = Engine(llm, 4)
@@ -56,6 +68,25 @@ def test_batched_decode_equals_each_slot_alone(llm):
                                       [len(p) - 1 for p in prompts])
     for b in range(4):
         torch.testing.assert_close(batched[b], solo[b], rtol=1e-4, atol=1e-4)
+        assert int(batched[b].argmax()) == int(solo[b].argmax())
+
+
+@pytest.mark.parametrize("spec", [CacheSpec("kv", "q4_hadamard", "q8_0", window=4), CacheSpec("hidden", type_h="q8_0"),
+                                  CacheSpec("hidden", type_h="f16", window=4)], ids=lambda s: s.label)
+def test_batched_decode_per_cache_type(llm, spec):
+    """Each slot's cache stores and attends as alone, whatever its type, window or mode."""
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [9, 8, 7], [5] * 11]
+    make = lambda: make_cache(llm.config, spec, llm.n_ctx, 1, attention=llm.attention, model=llm.model)  # noqa: E731
+    solo, caches = [], [make() for _ in prompts]
+    for p in prompts:
+        c = make()
+        llm.model(torch.tensor([p[:-1]]), c, 0)
+        solo.append(llm.model(torch.tensor([p[-1:]]), c, len(p) - 1)[0, -1])
+    for c, p in zip(caches, prompts):
+        llm.model(torch.tensor([p[:-1]]), c, 0)
+    batched = llm.model.forward_slots(torch.tensor([[p[-1]] for p in prompts]), caches, [len(p) - 1 for p in prompts])
+    for b in range(len(prompts)):  # a batched product's last-bit rounding can move a quantized code by one step
+        torch.testing.assert_close(batched[b], solo[b], rtol=0, atol=5e-3)
         assert int(batched[b].argmax()) == int(solo[b].argmax())
 
 

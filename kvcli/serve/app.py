@@ -1,5 +1,6 @@
 """`kvcli serve`'s HTTP side (FastAPI on uvicorn): OpenAI's routes and llama-server's extras over the
-engine, request schemas, server-sent events, OpenAI error objects, the API key, start and shutdown.
+engine, server-sent events, OpenAI error objects, the API key, start and shutdown. The request bodies
+are kvcli/serve/schemas.py, /metrics is kvcli/serve/metrics.py.
 
 Every error a client can cause is one JSON body {"error": {"message", "type", "code"[, "param"]}}:
 400 for bad input (FastAPI's 422 included), 401 for the key, 503 while loading or when the queue is
@@ -18,19 +19,18 @@ import threading
 import time
 import uuid
 from importlib import resources
-from typing import Callable, Literal, Union
+from typing import Callable
 
 import uvicorn
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
-from pydantic import BaseModel, ConfigDict, Field
 from starlette.exceptions import HTTPException
 
 from kvcli.errors import KvcliError
-from kvcli.generate import Sampler
 from kvcli.serve import metrics
 from kvcli.serve.engine import Done, Engine, Failed, Piece, QueueFull, Request as Job, timings
+from kvcli.serve.schemas import ApiError, ChatBody, CompletionBody, DetokenizeBody, Sampling, TokenizeBody
 
 log = logging.getLogger("kvcli.serve")
 PUBLIC = {"/", "/health", "/v1/health", "/models", "/v1/models"}  # open without the key, as llama-server's
@@ -38,93 +38,11 @@ ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "
                405: "invalid_request_error", 500: "server_error", 503: "unavailable_error"}
 
 
-class ApiError(Exception):
-    def __init__(self, status: int, message: str, param: str | None = None):
-        self.status, self.message, self.param = status, message, param
-
-
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
     body = {"message": message, "type": ERROR_TYPES.get(status, "server_error"), "code": status}
     if param:
         body["param"] = param
     return JSONResponse({"error": body}, status_code=status)
-
-
-# ---- request bodies (strict: a string where a number belongs is a 400, not a guess) ----
-
-class _Body(BaseModel):
-    model_config = ConfigDict(strict=True, extra="ignore")
-
-
-class TextPart(_Body):
-    type: Literal["text"]
-    text: str
-
-
-class Message(_Body):
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
-
-
-class Sampling(_Body):
-    """OpenAI's fields with llama-server's extras; None: kvcli run's default (llama.cpp's sampler)."""
-    model: str | None = None
-    stream: bool = False
-    stream_options: dict | None = None
-    max_tokens: int | None = Field(None, ge=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    n_predict: int | None = Field(None, ge=-1)  # llama-server's; -1: until end of generation
-    temperature: float | None = Field(None, ge=0)
-    top_p: float | None = Field(None, ge=0, le=1)
-    top_k: int | None = Field(None, ge=0)
-    min_p: float | None = Field(None, ge=0, le=1)
-    repeat_penalty: float | None = Field(None, gt=0)
-    repeat_last_n: int | None = Field(None, ge=-1)
-    seed: int | None = Field(None, ge=-1)
-    stop: Union[str, list[str], None] = None
-    n: int | None = Field(None, ge=1, le=1)  # one choice per request
-
-    def sampler(self) -> Sampler:
-        d = Sampler.__dataclass_fields__
-        pick = lambda v, name: d[name].default if v is None else v  # noqa: E731
-        return Sampler(temp=pick(self.temperature, "temp"), top_k=pick(self.top_k, "top_k"),
-                       top_p=pick(self.top_p, "top_p"), min_p=pick(self.min_p, "min_p"),
-                       repeat_penalty=pick(self.repeat_penalty, "repeat_penalty"),
-                       repeat_last_n=pick(self.repeat_last_n, "repeat_last_n"), seed=pick(self.seed, "seed"))
-
-    def limit(self) -> int:
-        for v in (self.max_tokens, self.max_completion_tokens, self.n_predict):
-            if v is not None:
-                return v
-        return -1
-
-    def stops(self) -> tuple[str, ...]:
-        stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if any(not s for s in stops):
-            raise ApiError(400, "stop strings must not be empty", "stop")
-        return tuple(stops)
-
-
-class ChatBody(Sampling):
-    messages: list[Message] = Field(min_length=1)
-    logprobs: bool | None = None
-    top_logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class CompletionBody(Sampling):
-    prompt: Union[str, list[int]]
-    logprobs: int | None = Field(None, ge=0, le=20)
-
-
-class TokenizeBody(_Body):
-    content: str
-    add_special: bool = False
-    parse_special: bool = True
-    with_pieces: bool = False
-
-
-class DetokenizeBody(_Body):
-    tokens: list[int]
 
 
 # ---- the server object the routes share ----
@@ -243,7 +161,13 @@ def create_app(server: Server) -> FastAPI:
         ids = tok.encode(body.content, add_bos=body.add_special, parse_special=body.parse_special)
         if not body.with_pieces:
             return {"tokens": ids}
-        return {"tokens": [{"id": i, "piece": _token_text(tok, i)[0]} for i in ids]}
+        def piece(i):  # as llama-server: the text, or its bytes where a token is part of a character
+            b = tok.token_to_bytes(i)
+            try:
+                return b.decode("utf-8")
+            except UnicodeDecodeError:
+                return list(b)
+        return {"tokens": [{"id": i, "piece": piece(i)} for i in ids]}
 
     @app.post("/detokenize")
     def detokenize(body: DetokenizeBody):

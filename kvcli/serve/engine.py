@@ -94,7 +94,7 @@ class Slot:
         self.cached: list[int] = []  # the token ids whose positions the cache holds, in order
         self.req: Request | None = None
 
-    def start(self, req: Request, tokenizer, now: float) -> None:
+    def start(self, req: Request, tokenizer) -> None:
         self.req = req
         # keep the prefix the cache shares with the prompt; at least one token is evaluated anew
         keep = min(common_prefix(self.cached, req.prompt), len(req.prompt) - 1)
@@ -103,7 +103,7 @@ class Slot:
         self.history = list(req.prompt)  # what the sampler's repeat penalty sees
         self.stream = tokenizer.stream()
         self.text, self.sent, self.n_out, self.next_token = "", 0, 0, None
-        self.t_start, self.prompt_s, self.t_gen = now, 0.0, None
+        self.prompt_s, self.t_gen = 0.0, None  # prompt seconds so far; when the first token was drawn
         self.logprobs: list[dict] = []
 
     def cells_bytes(self) -> tuple[int, int]:
@@ -187,7 +187,11 @@ class Engine:
                      f"V ({c0.v.name}): {c0.v.nbytes() * n / MIB:7.2f} MiB")
         if c0.window:
             parts += f", window {c0.window} (f16): {c0.window_nbytes() * n / MIB:7.2f} MiB"
-        return parts + f"; {n} slots of {self.n_ctx_slot} tokens"
+        parts += f"; {n} slots of {self.n_ctx_slot} tokens"
+        if hasattr(c0, "h") and c0.nbytes() > c0.kv_f16_bytes():  # as HiddenCache.describe
+            parts += (f"\nwarning: the hidden-state cache is larger than an f16 K+V cache "
+                      f"({c0.kv_f16_bytes() * n / MIB:.2f} MiB) for this model (GQA); --cache-mode kv is smaller")
+        return parts
 
     # ---- the engine thread ----
     def run(self) -> None:
@@ -219,7 +223,7 @@ class Engine:
                 return
             self.pending.popleft()
             best = max(idle, key=lambda s: (common_prefix(s.cached, req.prompt), -s.index))
-            best.start(req, self.tok, time.perf_counter())
+            best.start(req, self.tok)
 
     def step(self) -> None:
         """One prompt chunk for one slot (the lowest-numbered prefilling), then one decode of every decoding slot."""
@@ -245,7 +249,7 @@ class Engine:
         chunk = s.todo[: self.llm.batch_size]
         t0 = time.perf_counter()
         tokens = torch.tensor(chunk, dtype=torch.long, device=self.llm.device)[None]
-        logits = self.model(tokens, s.cache, len(s.cached), last_only=True)[0, -1]
+        logits = self.model(tokens, s.cache, len(s.cached), last_only=True)[0, -1].cpu()  # the sampler's device
         s.cached += chunk
         s.todo = s.todo[len(chunk):]
         s.prompt_s += time.perf_counter() - t0
@@ -262,6 +266,7 @@ class Engine:
             logits = self.model(tokens, slots[0].cache, len(slots[0].cached))[:, 0]
         else:
             logits = self.model.forward_slots(tokens, [s.cache for s in slots], [len(s.cached) for s in slots])
+        logits = logits.cpu()  # (B, V): one copy for every row's sampler (its generator is a CPU one)
         self.predicted_seconds_total += time.perf_counter() - t0
         for s, row in zip(slots, logits):
             s.cached.append(s.next_token)
