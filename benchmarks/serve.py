@@ -50,7 +50,6 @@ PROMPTS = [
     "Explain in detail how bread rises when it is baked.",
 ]
 HEALTH_TIMEOUT = 180  # s: model load and, for kvcli, the torch import
-RUN_TIMEOUT = 600     # s: one load (all streams) at most
 
 
 @dataclass
@@ -156,14 +155,14 @@ async def one_stream(client: httpx.AsyncClient, url: str, req: dict) -> Stream:
     return Stream(counted if counted is not None else chunks, first, last)
 
 
-async def load(url: str, n_streams: int, n: int, ignore_eos: bool) -> tuple[float, list[Stream]]:
+async def load(url: str, n_streams: int, n: int, ignore_eos: bool, bound: float) -> tuple[float, list[Stream]]:
     """n_streams concurrent requests: (wall seconds from the first sent to the last token, streams)."""
-    timeout = httpx.Timeout(RUN_TIMEOUT, connect=10)
+    timeout = httpx.Timeout(bound, connect=10)
     limits = httpx.Limits(max_connections=n_streams + 1)
     async with httpx.AsyncClient(timeout=timeout, limits=limits) as client:
         t0 = time.monotonic()
         tasks = [one_stream(client, url, body(PROMPTS[i % len(PROMPTS)], n, ignore_eos)) for i in range(n_streams)]
-        streams = await asyncio.wait_for(asyncio.gather(*tasks), RUN_TIMEOUT)
+        streams = await asyncio.wait_for(asyncio.gather(*tasks), bound)
     return max(s.last for s in streams) - t0, streams
 
 
@@ -193,6 +192,8 @@ def main() -> None:
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--threads", type=int, default=2,
                     help="-t of both servers; 1 where other programs share the cores (both spin-wait at 2: kvcli/threads.py)")
+    ap.add_argument("--run-timeout", type=float, default=600,
+                    help="seconds one load (all its streams) may take; past it its row reads 'timeout'")
     ap.add_argument("--ctx-slot", type=int, default=1024, help="cells per slot: -c is N times this")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
@@ -207,15 +208,22 @@ def main() -> None:
     print(f"model {Path(args.model).name}, {args.n} tokens per stream, -t {args.threads}, "
           f"{args.ctx_slot} cells per slot; load before: {os.getloadavg()[0]:.2f}")
     agg: dict[tuple[str, str, int], tuple[float, float]] = {}
+    failed: dict[tuple[str, str, int], str] = {}
     # stream count outermost: the servers compared at one N run back to back, under the same load
     for n_par in streams:
         for kind, cache in runs:
             port = free_port()
             cmd = server_cmd(kind, cache, n_par, port, args)
             print("$", shlex.join(cmd), flush=True)
-            with Server(cmd, port, llama_env if kind == "llama-server" else None) as srv:
-                ignore_eos = warm_up(srv.url, kind)
-                wall, got = asyncio.run(load(srv.url, n_par, args.n, ignore_eos))
+            try:
+                with Server(cmd, port, llama_env if kind == "llama-server" else None) as srv:
+                    ignore_eos = warm_up(srv.url, kind)
+                    wall, got = asyncio.run(load(srv.url, n_par, args.n, ignore_eos, args.run_timeout))
+            except (asyncio.TimeoutError, RuntimeError, httpx.HTTPError) as e:
+                # one load past its bound or refused: its row says so, the other rows still come
+                failed[(kind, cache, n_par)] = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
+                print(f"  {kind} {cache}, {n_par} streams: {failed[(kind, cache, n_par)]}: {str(e)[:300]}", flush=True)
+                continue
             tokens = sum(s.tokens for s in got)
             short = [s.tokens for s in got if s.tokens < args.n]
             if short:
@@ -235,6 +243,9 @@ def main() -> None:
     print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
     for kind, cache in runs:
         for n_par in streams:
+            if (kind, cache, n_par) not in agg:
+                print(f"| {kind} | {cache} | {n_par} | {failed[(kind, cache, n_par)]} | - | - | - |")
+                continue
             a, per = agg[(kind, cache, n_par)]
             one = agg.get((kind, cache, 1))
             scale = f"{a / one[0]:.2f}" if one else "-"
