@@ -182,6 +182,15 @@ def test_stop_strings_and_logprobs(server, client):
         assert len(it.top_logprobs) == 2 and it.top_logprobs[0].token == it.token and it.logprob <= 0
 
 
+def test_ignore_eos_generates_every_token(server, client):
+    kw = dict(model="x", messages=[{"role": "user", "content": "What is 2 + 2?"}], temperature=0, max_tokens=48)
+    short = client.chat.completions.create(**kw)  # the model ends its answer (an end-of-generation token)
+    assert short.choices[0].finish_reason == "stop" and short.usage.completion_tokens < 48
+    full = client.chat.completions.create(**kw, extra_body={"ignore_eos": True})  # llama-server's field
+    assert full.choices[0].finish_reason == "length" and full.usage.completion_tokens == 48
+    assert full.choices[0].message.content.startswith(short.choices[0].message.content)
+
+
 def test_four_concurrent_streams_equal_their_solo_runs(server, client):
     prompts = ["Tell me about the sea.", "What is 2 + 2?", "Write a haiku about snow.", "Who wrote Hamlet?"]
 

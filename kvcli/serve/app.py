@@ -212,7 +212,7 @@ def create_app(server: Server) -> FastAPI:
             except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
                 pass
 
-        job = Job(ids, emit, body.sampler(), body.limit(), body.stops(), n_top)
+        job = Job(ids, emit, body.sampler(e.eog), body.limit(), body.stops(), n_top)
         try:
             e.submit(job)
         except QueueFull as err:

@@ -46,15 +46,18 @@ class Sampling(_Body):
     repeat_last_n: int | None = Field(None, ge=-1)
     seed: int | None = Field(None, ge=-1)
     stop: Union[str, list[str], None] = None
+    ignore_eos: bool = False  # llama-server's: end-of-generation tokens are never sampled
     n: int | None = Field(None, ge=1, le=1)  # one choice per request
 
-    def sampler(self) -> Sampler:
+    def sampler(self, eog_ids: frozenset[int] = frozenset()) -> Sampler:
+        """The request's sampler; eog_ids: the model's end-of-generation ids, banned where ignore_eos."""
         d = Sampler.__dataclass_fields__
         pick = lambda v, name: d[name].default if v is None else v  # noqa: E731
         return Sampler(temp=pick(self.temperature, "temp"), top_k=pick(self.top_k, "top_k"),
                        top_p=pick(self.top_p, "top_p"), min_p=pick(self.min_p, "min_p"),
                        repeat_penalty=pick(self.repeat_penalty, "repeat_penalty"),
-                       repeat_last_n=pick(self.repeat_last_n, "repeat_last_n"), seed=pick(self.seed, "seed"))
+                       repeat_last_n=pick(self.repeat_last_n, "repeat_last_n"), seed=pick(self.seed, "seed"),
+                       banned=eog_ids if self.ignore_eos else frozenset())
 
     def limit(self) -> int:
         for v in (self.max_tokens, self.max_completion_tokens, self.n_predict):
