@@ -28,12 +28,15 @@ two and a multiple of the block) is
 Bits per element: b + 16 / block_size. Fixed costs, counted in `nbytes`: the sinks (N_SINK D
 f16) and offsets (D f32) per layer and head, and the padding to 64 positions.
 
-Decode (a few query rows on the CPU) with a uniform codebook, L[u] = u - (2^b - 1) / 2, reads
-the codes as they lie: the packed rows are widened back to nibble tiles with a few int32 bit
-operations over the chunk's bytes (no floats), then torch's int4 GEMM takes the tiles, with zero
-points making its (nibble - 8) s + z equal s L[u]: scores q . d L[u] per head with group = block
-(a scale per block and position), weighted sums sum_t p_t d_t L[u_t] per head with x = p d; the
-offset and the sinks are added outside. Other codebooks dequantize. Figures: benchmarks/README.md.
+Decode (a few query rows on the CPU) with a uniform codebook, L[u] = u - mid, reads the codes as
+they lie: the packed rows are widened back to nibble tiles holding u with a few int32 bit operations
+over the chunk's bytes (no floats; none for b = 4), then torch's int4 GEMM takes the tiles with scale
+1 and zero point 8 - mid, so that its (nibble - 8) s + z is L[u]: scores d_t (q . L[u_t]) per head
+(d applied to the GEMM's output, exact in f32, where a head is one block; else the GEMM's groups
+carry d, over nibbles u + 8 - 2^(b-1) with zero point d (2^(b-1) - mid)), weighted sums
+sum_t p_t d_t L[u_t] per head with x = p d; the offset and the sinks are added outside. Decode's
+write changes only its position's bits, in place, from one small matmul. Other codebooks
+dequantize. Figures: benchmarks/README.md.
 On CUDA the Triton kernels (kvcli/kernels) read and write these layouts as they lie: attention
 decodes the packed codes in registers; a prefill's write runs the scale search in a kernel and the
 store packs the codes; decode's write (one position past the sinks) is one kernel: rotation, offset,
