@@ -18,7 +18,8 @@ CACHE_MODES = ("kv", "hidden", "auto")
 class CacheSpec:
     """A cache choice: mode kv (K and V of type_k / type_v), hidden (each layer's normed input
     as type_h) or auto (hidden only where it is smaller than K+V at these types). window: the newest
-    positions kept in f16 (kvcli/cache/window.py); None: the types' default. Once the mode is kv or
+    positions kept in f16 (kvcli/cache/window.py); None: the types' default (the hidden-state cache's own
+    where a type sets one: Store.default_hidden_window). Once the mode is kv or
     hidden it holds the window the cache keeps: 0 where every type is dense (f32, f16, bf16)."""
 
     mode: str = "kv"
@@ -38,7 +39,7 @@ class CacheSpec:
             object.__setattr__(self, field, resolve_type(getattr(self, field)).name)
         if self.mode != "auto":  # canonical window too: a choice equals the same choice spelled out
             types = (self.type_h,) if self.mode == "hidden" else (self.type_k, self.type_v)
-            object.__setattr__(self, "window", window_for(types, w))
+            object.__setattr__(self, "window", window_for(types, w, hidden=self.mode == "hidden"))
 
     @property
     def label(self) -> str:

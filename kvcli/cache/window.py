@@ -9,7 +9,8 @@ straight out of a batch longer than the window (prefill): both write the same by
 
 A rewind (a chat keeping only a common prefix) can ask for positions whose f16 copy was already
 overwritten; they left the window before, so the store holds them and attention reads them there.
-How many positions the window keeps per storage type is `Store.default_window` (kvcli/cache/base.py).
+How many positions the window keeps per storage type is `Store.default_window` (kvcli/cache/base.py), and
+for the hidden-state cache `Store.default_hidden_window` where a type sets one.
 """
 
 from __future__ import annotations
