@@ -91,7 +91,8 @@ def _finish(llm, timings: Timings, log: Callable) -> None:
         log(line)
 
 
-def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many leading ids a and b share (the cached prefix a new prompt keeps: the chat, a server slot)."""
     n = 0
     for x, y in zip(a, b):
         if x != y:
@@ -131,7 +132,7 @@ def chat_loop(llm, sampler: Sampler, n_predict: int, system: str | None, log: Ca
             messages.append({"role": "user", "content": line.rstrip("\n")})
             ids = tok.encode(tok.apply_chat_template(messages, add_generation_prompt=True), parse_special=True)
             # keep the cached prefix this rendering shares (at least one new token is evaluated)
-            llm.n_past = min(_common_prefix(cached[:llm.n_past], ids), len(ids) - 1)
+            llm.n_past = min(common_prefix(cached[:llm.n_past], ids), len(ids) - 1)
             check_prompt_fits(llm, len(ids) - llm.n_past)
             reply = Reply()
             try:

@@ -22,6 +22,7 @@ from typing import Callable
 import torch
 
 from kvcli.cache import make_cache
+from kvcli.chat import common_prefix
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler
 from kvcli.memory import MIB, check_fits
@@ -66,15 +67,6 @@ class Request:
     stop: tuple[str, ...] = ()
     logprobs: int | None = None  # None: none; n: the sampled token's log-probability and the n most likely
     cancelled: bool = False      # set from any thread (a client gone): the slot is freed at the next step
-
-
-def common_prefix(a, b) -> int:
-    n = 0
-    for x, y in zip(a, b):
-        if x != y:
-            break
-        n += 1
-    return n
 
 
 def partial_stop(text: str, stops: tuple[str, ...]) -> int:
