@@ -162,17 +162,17 @@ class KVCache:
         self.ring = Ring(n_layers, batch, 2 * n_kv_heads, window, head_dim, device) if window else None
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> Recent | None:
-        """The new K/V (B, T, Hkv, D) at positions pos..pos+T-1. With a window, only the positions leaving
-        it go into the stores; returns the batch's f16 window for attention (None without one)."""
+        """The new K/V (B, T, Hkv, D) at positions pos..pos+T-1. With a window, the positions leaving it go
+        into the stores (at decode in batches, kvcli/cache/window.py); returns the batch's f16 window for attention (None without one)."""
         if pos + k.shape[1] > self.n_ctx:
             raise KvcliError(f"context full: {pos + k.shape[1]} tokens do not fit in a {self.n_ctx}-token cache")
         if not self.window:
             self._write(layer, k, v, pos)
             return None
         Hkv = k.shape[2]
-        leaving, a, recent, r0 = self.ring.push(layer, torch.cat([k, v], 2), pos)
-        if leaving is not None:
-            self._write(layer, leaving[:, :, :Hkv], leaving[:, :, Hkv:], a)
+        write, w0, recent, r0 = self.ring.push(layer, torch.cat([k, v], 2), pos)
+        if write is not None:
+            self._write(layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
         return Recent(recent[:, :Hkv], recent[:, Hkv:], r0, self.window)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:

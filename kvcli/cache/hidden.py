@@ -141,9 +141,9 @@ class HiddenCache:
         if not self.window:
             self.h.store(layer, x, pos)
             return self.attend.hidden(q, self, layer, pos)
-        leaving, a, recent, r0 = self.ring.push(layer, x, pos)  # recent (B, Hs, n, Ds): x of r0..pos+T-1
-        if leaving is not None:
-            self.h.store(layer, leaving, a)
+        write, w0, recent, r0 = self.ring.push(layer, x, pos)  # recent (B, Hs, n, Ds): x of r0..pos+T-1
+        if write is not None:
+            self.h.store(layer, write, w0)
         block, xr = self.model.blocks[layer], recent.transpose(1, 2).reshape(B, -1, E)
         k = block.project_k(xr, self.model.rot[r0 : pos + T])  # (B, n, Hkv, D)
         v = torch.stack([w.matmul(xr) for w in block.wv_heads], 2)  # (B, n, Hkv, D): the window's own V

@@ -7,6 +7,12 @@ store (kvcli/attention.py, `Recent`), so perplexity's batched prefill sees what 
 position is quantized exactly once, from its f16 copy, whether it leaves from the ring (decode) or
 straight out of a batch longer than the window (prefill): both write the same bytes.
 
+Decode writes in batches: when a position leaves and the store lacks it, it goes in together with
+the whole window (the N positions that leave over the next N steps), so a store takes one write of
+N + 1 positions every N + 1 steps instead of one small write per step (a write's cost is mostly its
+fixed number of ops). What attention reads is unchanged: a position's bytes do not depend on when
+they are made, and the store is read only below the window.
+
 A rewind (a chat keeping only a common prefix) can ask for positions whose f16 copy was already
 overwritten; they left the window before, so the store holds them and attention reads them there.
 How many positions the window keeps per storage type is `Store.default_window` (kvcli/cache/base.py), and
@@ -26,6 +32,7 @@ class Ring:
         self.size = size
         self.data = torch.zeros(n_layers, batch, n_heads, size, head_dim, dtype=torch.float16, device=device)
         self.held = [(0, 0)] * n_layers  # per layer: the positions lo..hi-1 whose f16 copies are here
+        self.stored = [0] * n_layers  # per layer: positions below it are in the store
 
     @staticmethod
     def nbytes_for(n_layers: int, batch: int, width: int, size: int) -> int:
@@ -43,8 +50,9 @@ class Ring:
         return [(s, self.size), (0, s + n - self.size)]
 
     def push(self, layer: int, x: torch.Tensor, pos: int) -> tuple[torch.Tensor | None, int, torch.Tensor, int]:
-        """Write x (B, T, H, D), positions pos..pos+T-1 -> (leaving, a, recent, r0):
-        leaving (B, m, H, D) f32: positions a..a+m-1, which leave the window now, for the store (None if none);
+        """Write x (B, T, H, D), positions pos..pos+T-1 -> (write, w0, recent, r0):
+        write (B, m, H, D) f32: positions w0..w0+m-1 for the store now (None if none): those that leave the
+        window with this batch and are not in the store yet, and at decode (T = 1) the window with them;
         recent (B, H, n, D) f32: positions r0..pos+T-1 in f16, what this batch's queries may read here."""
         N, T, ring = self.size, x.shape[1], self.data[layer]  # ring (B, H, N, D)
         lo, hi = self.held[layer]
@@ -56,8 +64,15 @@ class Ring:
         for s0, s1 in self._slots(keep, pos + T):
             ring[:, :, s0:s1] = new[:, :, i : i + s1 - s0]
             i += s1 - s0
-        m = pos + T - N - a  # positions a..pos+T-N-1 leave (their slots now hold new ones)
         self.held[layer] = (max(a, pos + T - N), pos + T)
-        leaving = span[:, :, :m].transpose(1, 2).contiguous() if m > 0 else None
         r0 = max(a, pos - N + 1)
-        return leaving, a, span[:, :, r0 - a :], r0
+        recent = span[:, :, r0 - a :]
+        # positions below pos + T - N have left (their slots now hold new ones); a rewind drops what the
+        # store held from pos on
+        done, gone = min(self.stored[layer], pos), pos + T - N
+        if gone <= done:
+            self.stored[layer] = done
+            return None, done, recent, r0
+        w0, w1 = max(a, done), pos + 1 if T == 1 else gone  # decode: with the window, leaving over N steps
+        self.stored[layer] = w1
+        return span[:, :, w0 - a : w1 - a].transpose(1, 2).contiguous(), w0, recent, r0
