@@ -126,8 +126,8 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool =
     Hkv = cache.k.n_heads
     G = H // Hkv
     # Group the query heads of each KV head: (B, Hkv, G*T, D); row r = g*T + t. No K/V repeat.
-    qg = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D)
-    qg = cache.k.to_storage(qg) * (1.0 / math.sqrt(D))
+    qm = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D) * (1.0 / math.sqrt(D))
+    qg = cache.k.to_storage(qm)  # the stores' space; the window is read in the model's (qm)
     end = pos + T
     chunk = max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * D))
     # Query row r sits at position i = pos + r % T and reads the store below lim_i: lim_i = i + 1 (causal)
@@ -150,12 +150,13 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool =
 
     # (scores, p -> p . V) per part, in the order the softmax reads them: the window first (every row
     # sees its own position there, so the online maximum is finite from the start), then store chunks.
+    # The window's part is in the model's space (its K and V are not rotated: q is, once, for the stores).
     parts = []
     if recent is not None:
-        kw, vw = cache.k.to_storage(recent.k), cache.v.to_storage(recent.v)  # (B, Hkv, n, D) f32
+        kw, vw = recent.k, recent.v  # (B, Hkv, n, D) f32
 
         def window_scores() -> torch.Tensor:  # (B, Hkv, G*T, n)
-            s = qg @ kw.transpose(-1, -2)
+            s = qm @ kw.transpose(-1, -2)
             if T > 1:  # row r reads lim_r..its own position here
                 j = torch.arange(recent.start, recent.start + kw.shape[2], device=q.device)
                 s = s.masked_fill((j < lim) | (j > q_pos), float("-inf"))
@@ -166,29 +167,35 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool =
         c1 = min(c0 + chunk, last)
         parts.append((lambda c0=c0, c1=c1: scores(c0, c1),
                       lambda p, c0=c0, c1=c1: cache.v.weighted_sum(layer, p, c0, c1)))
+    model = recent is not None  # parts[0] in the model's space, the rest in V's storage space
 
     if len(parts) == 1:  # one chunk: plain softmax, the common case
         s, weighted_sum = parts[0]
         out = weighted_sum(torch.softmax(s(), dim=-1))
-    elif not flash or last <= chunk:  # materialized scores (-fa off, or one chunk and the window), V by part
+        return _heads_out(out if model else cache.v.from_storage(out), T)
+    if not flash or last <= chunk:  # materialized scores (-fa off, or one chunk and the window), V by part
         ss = [s() for s, _ in parts]
         p = torch.softmax(torch.cat(ss, -1), -1).split([x.shape[-1] for x in ss], -1)
-        out = parts[0][1](p[0])
-        for (_, weighted_sum), pi in zip(parts[1:], p[1:]):
+        first, out = parts[0][1](p[0]), parts[1][1](p[1])
+        for (_, weighted_sum), pi in zip(parts[2:], p[2:]):
             out = out + weighted_sum(pi)
-    else:
-        m = torch.full((B, Hkv, G * T, 1), float("-inf"), device=q.device)
-        l = torch.zeros((B, Hkv, G * T, 1), device=q.device)
-        out = torch.zeros((B, Hkv, G * T, D), device=q.device)
-        for s, weighted_sum in parts:
-            s = s()
-            m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: every row sees a key in part 0
-            p = torch.exp(s - m_new)
-            scale = torch.exp(m - m_new)
-            l = l * scale + p.sum(dim=-1, keepdim=True)
-            out = out * scale + weighted_sum(p)
-            m = m_new
-        out = out / l
-    out = cache.v.from_storage(out)
-    # (B, Hkv, G*T, D) -> (B, T, H*D)
-    return out.reshape(B, Hkv, G, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, H * D)
+        return _heads_out(cache.v.from_storage(out) + first if model else cache.v.from_storage(first + out), T)
+    m = torch.full((B, Hkv, G * T, 1), float("-inf"), device=q.device)
+    l = torch.zeros((B, Hkv, G * T, 1), device=q.device)
+    out = torch.zeros((B, Hkv, G * T, D), device=q.device)
+    for i, (s, weighted_sum) in enumerate(parts):
+        s = s()
+        m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: every row sees a key in part 0
+        p = torch.exp(s - m_new)
+        scale = torch.exp(m - m_new)
+        l = l * scale + p.sum(dim=-1, keepdim=True)
+        pv = weighted_sum(p)
+        out = out * scale + (cache.v.to_storage(pv) if model and i == 0 else pv)
+        m = m_new
+    return _heads_out(cache.v.from_storage(out / l), T)
+
+
+def _heads_out(out: torch.Tensor, T: int) -> torch.Tensor:
+    """(B, Hkv, G*T, D) in the model's space -> (B, T, H*D)."""
+    B, Hkv, GT, D = out.shape
+    return out.reshape(B, Hkv, GT // T, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1)
