@@ -104,6 +104,7 @@ class RotatedStore(Store):
         self.sink = torch.zeros(L, B, H, min(self.n_sink, n), D, dtype=torch.float16, device=self.device)
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
         self.offset_set = [False] * L
+        self._sinks32: list[torch.Tensor | None] = [None] * L  # (B, H, n_sink, D) f32 copies, made on first read
         self.centred = self.offset_keys if self.keys else self.offset_values
 
     def to_storage(self, x: torch.Tensor) -> torch.Tensor:
@@ -120,6 +121,7 @@ class RotatedStore(Store):
         if pos == 0:
             self.offset_set[layer] = False  # a new sequence
         if pos < self.n_sink:
+            self._sinks32[layer] = None
             n = min(T, self.n_sink - pos)
             self.sink[layer, :, :, pos : pos + n] = r[:, :n].transpose(1, 2).half()
         first = max(0, self.n_sink - pos)
@@ -129,8 +131,13 @@ class RotatedStore(Store):
         return r - self.offset[layer]
 
     def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
-        """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0."""
-        return self.sink[layer, :, :, start : max(start, min(end, self.n_sink))].float()
+        """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0. All of them, as decode
+        reads them, converted once (until the sinks are written again)."""
+        if start or end < self.n_sink:
+            return self.sink[layer, :, :, start : max(start, min(end, self.n_sink))].float()
+        if self._sinks32[layer] is None:
+            self._sinks32[layer] = self.sink[layer].float()
+        return self._sinks32[layer]
 
 
 class HadamardQ4Store(RotatedStore):

@@ -86,9 +86,10 @@ def scores(q: torch.Tensor, tiles: torch.Tensor, scale: torch.Tensor, start: int
     n = (t1 - t0) * T
     s = scale[..., t0 * T : t1 * T]
     sz = torch.stack([s, s.new_zeros(()).expand_as(s)], -1)  # (B, H, nb, n, 2): scale, zero point 0
-    qb = q.to(torch.bfloat16)
-    out = torch.stack([mm(qb[b, h], tiles[b, h, t0:t1].view(n, D // 2), sz[b, h])
-                       for b in range(B) for h in range(H)])  # (B * H, R, n)
+    qb = q.to(torch.bfloat16).flatten(0, 1)
+    # one product per head (iterating a tensor unbinds it in one call: few ops per layer and token)
+    out = torch.stack([mm(x, w.view(n, D // 2), z)
+                       for x, w, z in zip(qb, tiles[:, :, t0:t1].flatten(0, 1), sz.flatten(0, 1))])  # (B H, R, n)
     return out.view(B, H, R, n)[..., start - t0 * T : end - t0 * T].float()
 
 
@@ -110,8 +111,8 @@ def weighted_sum(p: torch.Tensor, planes: torch.Tensor, scale: torch.Tensor, sta
     if skip:
         x[..., start - a : start - a + skip] = 0
     sz = unit[: (z - a) // GROUP, :T]
-    out = torch.stack([mm(x[b, h, i].view(nb * R, z - a), planes[b, h, i, a:z].view(T, (z - a) // 2), sz)
-                       for b in range(B) for h in range(H) for i in range(nt)])  # (B * H * nt, nb R, T)
+    out = torch.stack([mm(xi.view(nb * R, z - a), w.view(T, (z - a) // 2), sz)
+                       for xi, w in zip(x.flatten(0, 2), planes[..., a:z, :].flatten(0, 2))])  # (B H nt, nb R, T)
     # row (r, c) of tile i is the sum with block nb i + c's scales: keep its own 32 columns
     out = out.view(B, H, nt, R, nb, nb, GROUP).diagonal(dim1=4, dim2=5)  # (B, H, nt, R, 32, nb)
     return out.permute(0, 1, 3, 2, 5, 4).reshape(B, H, R, -1).float()

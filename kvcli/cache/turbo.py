@@ -190,7 +190,6 @@ class TurboStore(RotatedStore):
         self._data, self._scales = self.data.unbind(0), self.scale.unbind(0)
         self._k_offsets = self.offset.permute(0, 1, 3, 4, 2).unbind(0)  # (B, H, D, 1) views, for q . c
         self._v_offsets = self.offset.transpose(2, 3).unbind(0)  # (B, H, 1, D) views
-        self._sinks32: list[torch.Tensor | None] = [None] * L  # (B, H, n_sink, D) f32 copies, made on first read
         self._prepared = [0] * L  # prepare() calls per layer: the pair offsets below are of one generation
         self._pair_offsets: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
         self.lv = torch.tensor(self.levels, device=self.device)
@@ -228,8 +227,6 @@ class TurboStore(RotatedStore):
 
     def prepare(self, layer: int, x: torch.Tensor, pos: int) -> torch.Tensor:
         self._prepared[layer] += 1  # the offset may change
-        if pos < self.n_sink:
-            self._sinks32[layer] = None
         return super().prepare(layer, x, pos)
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
@@ -396,13 +393,6 @@ class TurboStore(RotatedStore):
         sinks = self._sinks(layer, start, end)
         y[:, :, : sinks.shape[2]] = sinks
         return y
-
-    def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
-        if start or end < self.n_sink:
-            return super()._sinks(layer, start, end)
-        if self._sinks32[layer] is None:  # all of them, as decode reads them: converted once
-            self._sinks32[layer] = super()._sinks(layer, 0, self.n_sink)
-        return self._sinks32[layer]
 
     def _gemm_nibbles(self, packed: torch.Tensor) -> torch.Tensor:
         """Packed rows -> nibble tiles holding u + 8 - 2^(b-1), so that the GEMM's (nibble - 8) s + zero s
