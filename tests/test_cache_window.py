@@ -90,6 +90,25 @@ def test_each_position_is_stored_once_by_the_time_it_leaves(types):
         assert len(written[layer]) < n  # the newest ones never: they have not left
 
 
+@pytest.mark.parametrize("name", ["tq4", "tq3", "tq2", "q4_hadamard", "q4_0"])
+def test_decode_writes_in_batches_the_bytes_of_one_position_at_a_time(name):
+    """Decode's batched writes (the leaving position with the window) store what writing each position as it
+    leaves would: the same bytes through the store's batched path as through its one-position path."""
+    N, n, D64 = 5, 40, 64
+    g = torch.Generator().manual_seed(12)
+    k, v = torch.randn(B, n, HKV, D64, generator=g), torch.randn(B, n, HKV, D64, generator=g)
+    k16, v16 = k.half().float(), v.half().float()
+    batched = KVCache(1, B, HKV, n, D64, name, name, window=N)
+    one = KVCache(1, B, HKV, n, D64, name, name)  # no window: given each position as it leaves
+    batched.store(0, k[:, :12], v[:, :12], 0)
+    one.store(0, k16[:, : 12 - N], v16[:, : 12 - N], 0)  # the prefill's leaving positions, one batch
+    for pos in range(12, n):
+        batched.store(0, k[:, pos : pos + 1], v[:, pos : pos + 1], pos)
+        one.store(0, k16[:, pos - N : pos - N + 1], v16[:, pos - N : pos - N + 1], pos - N)
+    for a, b in ((batched.k, one.k), (batched.v, one.v)):
+        assert torch.equal(a.load(0, 0, n - N), b.load(0, 0, n - N))
+
+
 def test_no_window_writes_each_batch_as_it_comes():
     """Window 0 (llama.cpp's types by default): every batch goes into the store at once, unrounded."""
     cache = KVCache(1, B, HKV, 40, D, "q8_0", "q8_0")

@@ -34,8 +34,9 @@ over the chunk's bytes (no floats; none for b = 4), then torch's int4 GEMM takes
 1 and zero point 8 - mid, so that its (nibble - 8) s + z is L[u]: scores d_t (q . L[u_t]) per head
 (d applied to the GEMM's output, exact in f32, where a head is one block; else the GEMM's groups
 carry d, over nibbles u + 8 - 2^(b-1) with zero point d (2^(b-1) - mid)), weighted sums
-sum_t p_t d_t L[u_t] per head with x = p d; the offset and the sinks are added outside. Decode's
-write changes only its position's bits, in place, from one small matmul. Other codebooks
+sum_t p_t d_t L[u_t] per head with x = p d; the offset and the sinks are added outside. A decode
+write of one position (no window; with one, decode writes N + 1 positions at once, kvcli/cache/window.py)
+changes only its bits, in place, from one small matmul. Other codebooks
 dequantize. Figures: benchmarks/README.md.
 On CUDA the Triton kernels (kvcli/kernels) read and write these layouts as they lie: attention
 decodes the packed codes in registers; a prefill's write runs the scale search in a kernel and the
