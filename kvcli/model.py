@@ -178,18 +178,21 @@ class Block(nn.Module):
 
 
 class _Slots:
-    """Several one-sequence caches as one for Block.forward: rows b of a (B, 1, ...) decode batch go to
-    caches[b] at positions[b], and each cache stores and attends as it would alone (every cache type,
-    window and kernel unchanged). The block's projections, norms and MLP run batched over the B rows."""
+    """Several one-sequence caches as one for Block.forward: a (1, sum n_i, ...) batch whose i-th segment of
+    n_i tokens goes to caches[i] at positions[i].., and each cache stores and attends as it would alone (every
+    cache type, window and kernel unchanged). The block's projections, norms and MLP run over the whole batch."""
 
-    def __init__(self, caches: list, positions: list[int]):
-        self.caches, self.positions = caches, positions
+    def __init__(self, caches: list, positions: list[int], lengths: list[int]):
+        self.caches, self.positions, self.lengths = caches, positions, lengths
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                   pos: int) -> torch.Tensor:
-        """q (B, 1, H, D), k/v (B, 1, Hkv, D), x (B, 1, n_embd) -> (B, 1, H * D); pos unused (each row's own)."""
-        return torch.cat([c.attention(layer, q[b : b + 1], k[b : b + 1], v[b : b + 1], x[b : b + 1], p)
-                          for b, (c, p) in enumerate(zip(self.caches, self.positions))])
+        """q (1, N, H, D), k/v (1, N, Hkv, D), x (1, N, n_embd) -> (1, N, H * D); pos unused (each segment's own)."""
+        out, a = [], 0
+        for c, p, n in zip(self.caches, self.positions, self.lengths):
+            out.append(c.attention(layer, q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], x[:, a : a + n], p))
+            a += n
+        return torch.cat(out, 1)
 
 
 class Transformer(nn.Module):
@@ -232,17 +235,23 @@ class Transformer(nn.Module):
         return self.output.matmul(h)
 
     @torch.inference_mode()
-    def forward_slots(self, tokens: torch.Tensor, caches: list, positions: list[int]) -> torch.Tensor:
-        """One decode step of B independent sequences: tokens (B, 1), row b the next token of the sequence
-        in caches[b] (one sequence each) at position positions[b] -> logits (B, vocab) f32. RoPE takes each
-        row's own position (rows of self.rot); all but attention is one batched product per layer."""
-        h = self.tok_embd.rows(tokens)  # (B, 1, n_embd) f32
-        rot = self.rot[torch.tensor(positions, device=self.rot.device)][:, None]  # (B, 1, D/2)
-        slots = _Slots(caches, positions)
+    def forward_slots(self, ids: list[list[int]], caches: list, positions: list[int]) -> torch.Tensor:
+        """One step of several independent sequences (llama-server's one batch per step): ids[i], tokens appended
+        to the sequence in caches[i] (one sequence each) at positions[i].., a prompt chunk or one decode token
+        -> logits (len(ids), vocab) f32 of each one's last token. All but attention runs once over every token
+        (the weights are read once a step); RoPE takes each token's own position (rows of self.rot)."""
+        lengths = [len(t) for t in ids]
+        dev = self.rot.device
+        tokens = torch.tensor([[t for seg in ids for t in seg]], dtype=torch.long, device=dev)  # (1, N)
+        where = torch.tensor([p + j for p, n in zip(positions, lengths) for j in range(n)], device=dev)
+        h = self.tok_embd.rows(tokens)  # (1, N, n_embd) f32
+        rot = self.rot[where]  # (N, D/2): each token at its own position
+        slots = _Slots(caches, positions, lengths)
         for block in self.blocks:
             h = block(h, slots, 0, rot)
+        h = h[:, torch.tensor(lengths, device=dev).cumsum(0) - 1]  # (1, len(ids), n_embd): each one's last token
         h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps)
-        return self.output.matmul(h)[:, 0]
+        return self.output.matmul(h)[0]
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -64,11 +64,40 @@ def test_batched_decode_equals_each_slot_alone(llm):
     for s, p in zip(engine.slots, prompts):
         llm.model(torch.tensor([p[:-1]]), s.cache, 0)
         solo.append(llm.model(torch.tensor([p[-1:]]), s.cache, len(p) - 1)[0, -1])
-    batched = llm.model.forward_slots(torch.tensor([[p[-1]] for p in prompts]), [s.cache for s in engine.slots],
+    batched = llm.model.forward_slots([p[-1:] for p in prompts], [s.cache for s in engine.slots],
                                       [len(p) - 1 for p in prompts])
     for b in range(4):
         torch.testing.assert_close(batched[b], solo[b], rtol=1e-4, atol=1e-4)
         assert int(batched[b].argmax()) == int(solo[b].argmax())
+
+
+def test_prompt_chunks_and_decode_tokens_in_one_step_equal_each_alone(llm):
+    """One forward over two decoding slots and two slots' whole prompts: each segment's last logits are its
+    solo ones (the weights read once for all of them, RoPE and attention per segment)."""
+    prompts = [llm.tokenize(t) for t in ("Hi there", "The capital of France is a city", "Once upon a time, in a land",
+                                         "def add(a, b):")]
+    make = lambda: make_cache(llm.config, llm.cache_spec, llm.n_ctx, 1, attention=llm.attention, model=llm.model)  # noqa: E731
+    caches = [make() for _ in prompts]
+    solo = []
+    for i, p in enumerate(prompts):
+        c = make()
+        if i < 2:  # decoding: the prompt but its last token already in the cache
+            llm.model(torch.tensor([p[:-1]]), c, 0)
+            llm.model(torch.tensor([p[:-1]]), caches[i], 0)
+            solo.append(llm.model(torch.tensor([p[-1:]]), c, len(p) - 1)[0, -1])
+        else:  # prefilled whole in the step
+            solo.append(llm.model(torch.tensor([p]), c, 0)[0, -1])
+    ids = [prompts[0][-1:], prompts[1][-1:], prompts[2], prompts[3]]
+    batched = llm.model.forward_slots(ids, caches, [len(prompts[0]) - 1, len(prompts[1]) - 1, 0, 0])
+    assert batched.shape == (4, llm.config.vocab_size)
+    for b in range(4):
+        torch.testing.assert_close(batched[b], solo[b], rtol=1e-4, atol=1e-4)
+        assert int(batched[b].argmax()) == int(solo[b].argmax())
+    for i in (2, 3):  # the prefilled slots continue from what the step stored
+        c = make()
+        llm.model(torch.tensor([prompts[i]]), c, 0)
+        torch.testing.assert_close(llm.model(torch.tensor([[5]]), caches[i], len(prompts[i]))[0, -1],
+                                   llm.model(torch.tensor([[5]]), c, len(prompts[i]))[0, -1], rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("spec", [CacheSpec("kv", "q4_hadamard", "q8_0", window=4), CacheSpec("hidden", type_h="q8_0"),
@@ -84,7 +113,7 @@ def test_batched_decode_per_cache_type(llm, spec):
         solo.append(llm.model(torch.tensor([p[-1:]]), c, len(p) - 1)[0, -1])
     for c, p in zip(caches, prompts):
         llm.model(torch.tensor([p[:-1]]), c, 0)
-    batched = llm.model.forward_slots(torch.tensor([[p[-1]] for p in prompts]), caches, [len(p) - 1 for p in prompts])
+    batched = llm.model.forward_slots([p[-1:] for p in prompts], caches, [len(p) - 1 for p in prompts])
     for b in range(len(prompts)):  # a batched product's last-bit rounding can move a quantized code by one step
         torch.testing.assert_close(batched[b], solo[b], rtol=0, atol=5e-3)
         assert int(batched[b].argmax()) == int(solo[b].argmax())

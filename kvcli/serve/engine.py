@@ -2,9 +2,10 @@
 
 Each of the -np slots owns a one-sequence cache of c / np cells, built as the Llama's own (which is
 slot 0's), so every cache type, the window, the hidden-state cache and the kernels work unchanged.
-One step (llama-server's update_slots): at most one prompt chunk of -b tokens for one slot being
-prefilled, then one batched forward over every decoding slot (Transformer.forward_slots), each row
-at its own position. A new request keeps the prefix its slot's cache shares with its prompt.
+One step (llama-server's update_slots) is one forward (Transformer.forward_slots): a token for every
+decoding slot, then prompt chunks of the slots being prefilled, up to -b tokens in all, each segment
+at its own positions, so the weights are read once a step however many slots take part. A new
+request keeps the prefix its slot's cache shares with its prompt.
 
 The loop runs in one thread (torch releases the GIL in its ops); requests arrive through `submit`
 and report back through their `emit` callback, called on the engine thread.
@@ -218,17 +219,20 @@ class Engine:
             best.start(req, self.tok)
 
     def step(self) -> None:
-        """One prompt chunk for one slot (the lowest-numbered prefilling), then one decode of every decoding slot."""
+        """One forward: a token for every decoding slot, then prompt chunks (slots in order) up to -b tokens."""
         for s in self.slots:
             if s.req is not None and s.req.cancelled:
                 s.req = None  # what the cache holds stays valid: s.cached
         try:
-            pre = next((s for s in self.slots if s.req is not None and s.todo), None)
-            if pre is not None:
-                self._prefill(pre)
-            dec = [s for s in self.slots if s.req is not None and not s.todo and s.next_token is not None]
-            if dec:
-                self._decode(dec)
+            segments = [(s, [s.next_token]) for s in self.slots
+                        if s.req is not None and not s.todo and s.next_token is not None]
+            budget = max(1, self.llm.batch_size - len(segments))
+            for s in self.slots:
+                if s.req is not None and s.todo and budget > 0:
+                    segments.append((s, s.todo[:budget]))
+                    budget -= len(segments[-1][1])
+            if segments:
+                self._forward(segments)
         except Exception as e:  # a failed step fails its requests (their caches forgotten); the server goes on
             if not isinstance(e, KvcliError):
                 log.exception("engine step failed")
@@ -237,33 +241,32 @@ class Engine:
                     s.req.emit(Failed(f"generation failed: {e}"))
                     s.req, s.cached = None, []
 
-    def _prefill(self, s: Slot) -> None:
-        chunk = s.todo[: self.llm.batch_size]
+    def _forward(self, segments: list[tuple[Slot, list[int]]]) -> None:
         t0 = time.perf_counter()
-        tokens = torch.tensor(chunk, dtype=torch.long, device=self.llm.device)[None]
-        logits = self.model(tokens, s.cache, len(s.cached), last_only=True)[0, -1].cpu()  # the sampler's device
-        s.cached += chunk
-        s.todo = s.todo[len(chunk):]
-        s.prompt_s += time.perf_counter() - t0
-        if not s.todo:
-            s.t_gen = time.perf_counter()
-            self.prompt_tokens_total += len(s.req.prompt) - s.cache_n
-            self.prompt_seconds_total += s.prompt_s
-            self._take(s, logits)
-
-    def _decode(self, slots: list[Slot]) -> None:
-        t0 = time.perf_counter()
-        tokens = torch.tensor([[s.next_token] for s in slots], dtype=torch.long, device=self.llm.device)
-        if len(slots) == 1:  # the plain forward: as fast as `kvcli run`
-            logits = self.model(tokens, slots[0].cache, len(slots[0].cached))[:, 0]
+        if len(segments) == 1:  # the plain forward: as fast as `kvcli run`
+            s, ids = segments[0]
+            tokens = torch.tensor([ids], dtype=torch.long, device=self.llm.device)
+            logits = self.model(tokens, s.cache, len(s.cached), last_only=True)[0]
         else:
-            logits = self.model.forward_slots(tokens, [s.cache for s in slots], [len(s.cached) for s in slots])
-        logits = logits.cpu()  # (B, V): one copy for every row's sampler (its generator is a CPU one)
-        self.predicted_seconds_total += time.perf_counter() - t0
-        for s, row in zip(slots, logits):
-            s.cached.append(s.next_token)
-            s.next_token = None
-            self._take(s, row)
+            logits = self.model.forward_slots([ids for _, ids in segments], [s.cache for s, _ in segments],
+                                              [len(s.cached) for s, _ in segments])
+        logits = logits.cpu()  # (n, V): one copy for every row's sampler (its generator is a CPU one)
+        dt = time.perf_counter() - t0
+        if any(not s.todo for s, _ in segments):
+            self.predicted_seconds_total += dt
+        for (s, ids), row in zip(segments, logits):
+            s.cached += ids
+            if not s.todo:  # decoding
+                s.next_token = None
+                self._take(s, row)
+                continue
+            s.todo = s.todo[len(ids):]
+            s.prompt_s += dt
+            if not s.todo:
+                s.t_gen = time.perf_counter()
+                self.prompt_tokens_total += len(s.req.prompt) - s.cache_n
+                self.prompt_seconds_total += s.prompt_s
+                self._take(s, row)
 
     def _take(self, s: Slot, logits: torch.Tensor) -> None:
         """Sample the slot's next token from logits (V,) f32 and report it, or finish the request."""
