@@ -54,7 +54,8 @@ def rope_table(c: ModelConfig, n_ctx: int, freq_factors: torch.Tensor | None = N
 
 def rope_(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> None:
     """RoPE in place on x (B, T, H, D) f32, a view whose last dimension is contiguous; rot (T, D/2) complex,
-    shared by the B rows (the server's step: each token's own row of the table), or (B, T, D/2), each row its own positions.
+    shared by the B rows (the server's step: each token's own row of the table), or (B, T, D/2), each row
+    its own positions.
 
     Which dims rotate together is the one layout choice: GGUF llama files pair (2i, 2i+1) (llama.cpp's
     converter permutes Q/K rows to Meta's layout); qwen2/qwen3 files keep Hugging Face's rows and pair
