@@ -3,7 +3,7 @@
 Each form holds one matrix W (N, K) (torch order: N outputs, K inputs) and offers
   matmul(x)     x (..., K) f32 -> (..., N) f32, x @ W.T;
   rows(ids)     rows of W by index, f32 (the token embedding: only the rows asked for);
-  dequantize()  W (N, K) f32, the reference the tests and the prefill path use;
+  dequantize()  W (N, K) f32, the reference the tests (and Int8's prefill path) use;
   nbytes        the bytes it keeps resident.
 Forms (chosen per tensor by `choose`, from its GGUF type):
   Int4  Q4_0 / Q4_1 / Q4_K: 4-bit codes with a per-32 scale and zero point, in torch's packed
@@ -18,6 +18,8 @@ benchmarks/README.md).
 """
 
 from __future__ import annotations
+
+import threading
 
 import numpy as np
 import torch
@@ -39,6 +41,20 @@ def _rows(x: torch.Tensor) -> int:
 
 # Output rows dequantized at a time when a batch multiplies an int8 matrix (4096 x 576 f32: 9 MB).
 SLAB_ROWS = 4096
+# f32 elements of W an int4 batch product dequantizes at a time (16 MB): a small model's matrices in one
+# slab, a large one's in several, into a buffer kept per thread (`_scratch`).
+SLAB_ELEMS = 4 << 20
+_SCRATCH = threading.local()
+
+
+def _scratch(n: int) -> torch.Tensor:
+    """n f32 elements of this thread's reusable buffer: a fresh matrix-sized tensor per product would cost
+    about as much in page faults as the dequantization into it (benchmarks/README.md)."""
+    buf = getattr(_SCRATCH, "buf", None)
+    if buf is None or buf.numel() < n:
+        with torch.inference_mode(False):  # a plain tensor: written in place in and out of inference mode
+            buf = _SCRATCH.buf = torch.empty(n)
+    return buf[:n]
 # Rows up to which a CUDA product of Blocks runs the Triton kernel on the codes (decode: each row is
 # a pass over the decoded tile in registers); a larger batch dequantizes slabs for torch's GEMM.
 KERNEL_ROWS = 16
@@ -119,10 +135,29 @@ class Int4:
         return self.packed.numel() + 2 * self.sz.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if _rows(x) > UPCAST_ROWS:
-            return F.linear(x, self.dequantize())
+        if _rows(x) > UPCAST_ROWS:  # f32 GEMMs over slabs of W dequantized, W.T's layout (a GEMM takes it as is)
+            Np, K = self.packed.shape[0], self.shape[1]
+            step = max(tile_width(), SLAB_ELEMS // K // tile_width() * tile_width())
+            y = torch.cat([x @ self._slab_t(s, min(s + step, Np)) for s in range(0, Np, step)], -1)
+            return y if Np == self.n else y[..., : self.n].contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed, GROUP, self.sz)
         return y[:, : self.n].float().view(*x.shape[:-1], self.n)
+
+    def _slab_t(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 of W (whole tiles) as W.T (K, stop - start) f32, in the thread's scratch buffer.
+        A tile's bytes (K, T / 2) hold its rows j and j + T / 2 in the low and high nibbles, so W.T's
+        columns come out of them in order; q s + (z - 8 s) is (q - 8) s + z with one rounding, as dequantize."""
+        T, K, n = tile_width(), self.shape[1], stop - start
+        tiles = self.packed[start:stop].view(n // T, K, T // 2).transpose(0, 1)  # (K, n / T, T / 2) bytes
+        out = _scratch(K * n).view(K, n // T, 2, T // 2)
+        out[:, :, 0].copy_(tiles & 15)
+        out[:, :, 1].copy_(tiles >> 4)
+        sz = self.sz[:, start:stop].float()  # (K / 32, n, 2)
+        scale = sz[..., 0].contiguous()
+        zero = sz[..., 1] - 8 * scale
+        w = out.view(K // GROUP, GROUP, n)
+        torch.addcmul(zero[:, None], w, scale[:, None], out=w)
+        return out.view(K, n)
 
     def codes(self) -> torch.Tensor:
         """(N_pad, K) uint8 codes, out of torch's tiles: byte (tile, k, j) holds rows T tile + j and + T / 2."""

@@ -103,6 +103,24 @@ def test_int4_product_equals_dequantized(N, K):
     assert form.nbytes == form.packed.numel() + 2 * form.sz.numel()
 
 
+@needs_int4
+@pytest.mark.parametrize("N", [200, 6 * 64])  # padded to whole tiles, and whole tiles
+def test_int4_batch_product_in_slabs_is_the_dequantized_gemm(N, monkeypatch):
+    """A batch above UPCAST_ROWS multiplies W dequantized slab by slab into a reused buffer: the same
+    values as dequantize(), so the same GEMM, whatever the slab size; batched x (B, T, K) too."""
+    import kvcli.weights as weights
+
+    K = 96
+    form = Int4.from_codes(*adversarial_blocks(N, K, seed=3))
+    x = torch.randn(2, weights.UPCAST_ROWS, K, generator=torch.Generator().manual_seed(0))
+    ref = x @ form.dequantize().T
+    for elems in (weights.SLAB_ELEMS, 2 * tile_width() * K):  # one slab; two tiles a slab
+        monkeypatch.setattr(weights, "SLAB_ELEMS", elems)
+        y = form.matmul(x)
+        assert y.shape == (2, weights.UPCAST_ROWS, N) and y.is_contiguous()
+        assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
+
+
 @pytest.mark.parametrize("N,K", [(64, 64), (40, 96), (49, 32)])
 def test_int8_product_and_rows(N, K):
     g = torch.Generator().manual_seed(1)
