@@ -62,10 +62,12 @@ class Attention:
 
     flash: bool = True
 
-    def __call__(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
-        """q (B, T, H, D) f32 at positions pos..pos+T-1 over a K/V cache -> (B, T, H * D) f32;
-        recent: the cache's f16 window for this batch, if it keeps one."""
-        if use_triton(q) and self.flash and kernel_covers(q, cache):
+    def __call__(self, q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor,
+                 recent: Recent | None = None) -> torch.Tensor:
+        """q (B, T, H, D) f32 at positions pos..pos+T-1 over a K/V cache -> (B, T, H * D) f32 (pos a (B,)
+        tensor at decode: each sequence at its own, the reference's path); recent: the cache's f16 window
+        for this batch, if it keeps one."""
+        if use_triton(q) and self.flash and not torch.is_tensor(pos) and kernel_covers(q, cache):
             return attend_triton(q, cache, layer, pos, recent)
         return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
 
@@ -120,24 +122,27 @@ def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch)
     return attend_hidden_kernel(q, cache.h.data[layer], block.wkv.w, cos, sin, pos, **launch)
 
 
-def attend_reference(q: torch.Tensor, cache, layer: int, pos: int, flash: bool = True,
+def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, flash: bool = True,
                      recent: Recent | None = None) -> torch.Tensor:
+    """pos: the batch's first position, or (T = 1, no window) a (B,) tensor of each sequence's own."""
     B, T, H, D = q.shape
     Hkv = cache.k.n_heads
     G = H // Hkv
     # Group the query heads of each KV head: (B, Hkv, G*T, D); row r = g*T + t. No K/V repeat.
     qm = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D) * (1.0 / math.sqrt(D))
     qg = cache.k.to_storage(qm)  # the stores' space; the window is read in the model's (qm)
-    end = pos + T
     chunk = max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * D))
     # Query row r sits at position i = pos + r % T and reads the store below lim_i: lim_i = i + 1 (causal)
     # without a window, max(i - N + 1, recent.start) with one (the rest, up to i, from the window).
-    # first / last: lim of the batch's first and last position; the store is read below `last`.
-    if recent is None:
-        first, last = pos + 1, end
-    else:
-        first, last = max(pos - recent.size + 1, recent.start), max(end - recent.size, recent.start)
+    # first / last: the smallest and largest lim; the store is read below `last`.
     q_pos = lim = None
+    if torch.is_tensor(pos):  # one query per sequence, each at its own position: lim per sequence, (B, 1, 1, 1)
+        first, last = (int(p) + 1 for p in pos.aminmax())
+        lim = (pos + 1).view(B, 1, 1, 1)
+    elif recent is None:
+        first, last = pos + 1, pos + T
+    else:
+        first, last = max(pos - recent.size + 1, recent.start), max(pos + T - recent.size, recent.start)
     if T > 1:  # per-row limits, (G*T, 1): a mask for T > 1 only
         q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]
         lim = q_pos + 1 if recent is None else (q_pos - recent.size + 1).clamp_min(recent.start)

@@ -71,6 +71,37 @@ def test_batched_decode_equals_each_slot_alone(llm):
         assert int(batched[b].argmax()) == int(solo[b].argmax())
 
 
+@pytest.mark.parametrize("flash", [True, False])
+def test_slots_rows_of_one_cache_decode_as_one_batch(llm, monkeypatch, flash):
+    """Dense slots are rows of one cache: the decode tokens of rows 2 and 3 attend as one batch, each at its
+    own position (row 0 alone: not next to them), beside a prompt for row 1, over chunks of 4 positions
+    (online softmax with flash, materialized without): each as its solo run."""
+    import kvcli.attention
+
+    monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 4)
+    monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 1)
+    monkeypatch.setattr(llm, "attention", kvcli.attention.Attention(flash=flash))
+    engine = Engine(llm, 4)
+    caches = [s.cache for s in engine.slots]
+    assert all(c.base is caches[0].base and c.row0 == i for i, c in enumerate(caches))
+    prompts = [llm.tokenize(t) for t in ("Hi there", "The capital of France is a city", "Once upon a time, in a land",
+                                         "def add(a, b):\n    return")]
+    solo = []
+    for i, p in enumerate(prompts):
+        c = make_cache(llm.config, llm.cache_spec, llm.n_ctx, 1, attention=llm.attention)
+        if i == 1:  # prefilled whole in the step
+            solo.append(llm.model(torch.tensor([p]), c, 0)[0, -1])
+            continue
+        llm.model(torch.tensor([p[:-1]]), c, 0)
+        llm.model(torch.tensor([p[:-1]]), caches[i], 0)
+        solo.append(llm.model(torch.tensor([p[-1:]]), c, len(p) - 1)[0, -1])
+    order = [0, 2, 3, 1]
+    ids = [prompts[i] if i == 1 else prompts[i][-1:] for i in order]
+    batched = llm.model.forward_slots(ids, [caches[i] for i in order], [0 if i == 1 else len(prompts[i]) - 1 for i in order])
+    for b, i in enumerate(order):
+        torch.testing.assert_close(batched[b], solo[i], rtol=1e-4, atol=1e-4)
+
+
 def test_prompt_chunks_and_decode_tokens_in_one_step_equal_each_alone(llm):
     """One forward over two decoding slots and two slots' whole prompts: each segment's last logits are its
     solo ones (the weights read once for all of them, RoPE and attention per segment)."""

@@ -8,6 +8,7 @@ CLI's choices come from `STORAGE_TYPES`.
 
 from __future__ import annotations
 
+import copy
 from typing import ClassVar, Protocol
 
 import torch
@@ -160,10 +161,30 @@ class KVCache:
         self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
         # K's and V's f16 windows, their heads side by side: (L, B, 2 Hkv, N, D)
         self.ring = Ring(n_layers, batch, 2 * n_kv_heads, window, head_dim, device) if window else None
+        self.base, self.row0 = None, 0  # a view made by `rows`: the cache and first sequence it shows
 
-    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> Recent | None:
-        """The new K/V (B, T, Hkv, D) at positions pos..pos+T-1. With a window, the positions leaving it go
-        into the stores (at decode in batches, kvcli/cache/window.py); returns the batch's f16 window for attention (None without one)."""
+    @staticmethod
+    def has_rows(type_k: str, type_v: str) -> bool:
+        """Can a cache of these types hand out `rows`? Dense stores only (they keep no window either)."""
+        return resolve_type(type_k).dense and resolve_type(type_v).dense
+
+    def rows(self, start: int, stop: int) -> KVCache:
+        """Sequences start..stop-1 as a cache of their own over the same bytes (dense types, `has_rows`): the
+        server's slots are rows of one cache, and a step's decode tokens of rows start..stop-1 attend as one
+        batch through such a view, each at its own position (`attention` with a (B,) tensor pos)."""
+        view = copy.copy(self)
+        view.k, view.v = self.k.rows(start, stop), self.v.rows(start, stop)
+        view.batch, view.base, view.row0 = stop - start, self.base if self.base is not None else self, self.row0 + start
+        return view
+
+    def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> Recent | None:
+        """The new K/V (B, T, Hkv, D) at positions pos..pos+T-1 (at decode, pos may be a (B,) tensor: each
+        sequence's own position; no window then). With a window, the positions leaving it go into the
+        stores (at decode in batches, kvcli/cache/window.py); returns the batch's f16 window for attention
+        (None without one)."""
+        if torch.is_tensor(pos):  # the caller (the server's engine) keeps each sequence inside its context
+            self._write(layer, k, v, pos)
+            return None
         if pos + k.shape[1] > self.n_ctx:
             raise KvcliError(f"context full: {pos + k.shape[1]} tokens do not fit in a {self.n_ctx}-token cache")
         if not self.window:
@@ -183,9 +204,9 @@ class KVCache:
             self.v.store(layer, v, pos)
 
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
-                  pos: int) -> torch.Tensor:
+                  pos: int | torch.Tensor) -> torch.Tensor:
         """Store the new K/V (B, T, Hkv, D), then attend q (B, T, H, D) over the cache -> (B, T, H*D).
-        x, the block's normed input, is unused here (the hidden-state cache stores it instead)."""
+        pos: as `store`. x, the block's normed input, is unused here (the hidden-state cache stores it instead)."""
         recent = self.store(layer, k, v, pos)
         return self.attend(q, self, layer, pos, recent)
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import torch
 
 from kvcli.attention import use_triton
@@ -26,7 +28,18 @@ class DenseStore(Store):
     def kernel_layout(self) -> KernelLayout:
         return KernelLayout(self.kind)
 
-    def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+    def rows(self, start: int, stop: int) -> DenseStore:
+        """Sequences start..stop-1 as a store of their own over the same bytes (a view): the server's slots
+        are rows of one cache, so that one step attends for all of them at once."""
+        view = copy.copy(self)
+        view.data, view.batch = self.data[:, start:stop], stop - start
+        return view
+
+    def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
+        """pos: an int, or at decode (T = 1) a (B,) tensor, each sequence's own position."""
+        if torch.is_tensor(pos):
+            self.data[layer, torch.arange(x.shape[0]), :, pos] = x[:, 0].to(self.dtype)  # (B, Hkv, D)
+            return
         if use_triton(x):  # Triton write kernel; imported here so CPU users never import triton
             from kvcli.kernels.quantize import quantize_into
 

@@ -1,7 +1,9 @@
 """The server's engine: slots, a bounded queue and the step loop (continuous batching). No HTTP.
 
 Each of the -np slots owns a one-sequence cache of c / np cells, built as the Llama's own (which is
-slot 0's), so every cache type, the window, the hidden-state cache and the kernels work unchanged.
+slot 0's), so every cache type, the window, the hidden-state cache and the kernels work unchanged;
+dense K/V types (f16, ...) make the slots rows of one cache instead (`slot_caches`), so that a step's
+decode tokens attend as one batch.
 One step (llama-server's update_slots) is one forward (Transformer.forward_slots): a token for every
 decoding slot, then prompt chunks of the slots being prefilled, up to -b tokens in all, each segment
 at its own positions, so the weights are read once a step however many slots take part. A new
@@ -22,7 +24,7 @@ from typing import Callable
 
 import torch
 
-from kvcli.cache import make_cache
+from kvcli.cache import KVCache, make_cache
 from kvcli.chat import common_prefix
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler
@@ -107,6 +109,21 @@ class Slot:
         return fixed + round(per_cell * len(self.cached)), len(self.cached)
 
 
+def slot_caches(llm, n_slots: int) -> list:
+    """One one-sequence cache per slot. Dense K/V types: the rows of one n_slots-sequence cache, which replaces
+    the Llama's own, so a step's decode tokens attend as one batch (KVCache.rows); other types: the Llama's
+    cache (slot 0's) and n_slots - 1 more like it, each attending alone."""
+    spec = llm.cache_spec
+    if n_slots > 1 and spec.mode == "kv" and KVCache.has_rows(spec.type_k, spec.type_v):
+        llm.cache = None  # freed before the slots' cache is made: never both at once
+        base = make_cache(llm.config, spec, llm.n_ctx, n_slots, device=llm.device, attention=llm.attention)
+        caches = [base.rows(i, i + 1) for i in range(n_slots)]
+        llm.cache = caches[0]
+        return caches
+    return [llm.cache] + [make_cache(llm.config, spec, llm.n_ctx, 1, device=llm.device, attention=llm.attention,
+                                     model=llm.model) for _ in range(n_slots - 1)]
+
+
 class Engine:
     """Slots over one Llama (its cache is slot 0's; its n_ctx is the slot context, c / np)."""
 
@@ -119,9 +136,7 @@ class Engine:
         if n_slots > 1 and llm.device == "cpu":  # the Llama checked weights + slot 0; the other slots here
             check_fits(0, llm.config, llm.cache_spec, llm.n_ctx, n_slots - 1,
                        what=f"{n_slots} slots of {llm.n_ctx} tokens")
-        caches = [llm.cache] + [make_cache(llm.config, llm.cache_spec, llm.n_ctx, 1, device=llm.device,
-                                           attention=llm.attention, model=llm.model) for _ in range(n_slots - 1)]
-        self.slots = [Slot(i, c) for i, c in enumerate(caches)]
+        self.slots = [Slot(i, c) for i, c in enumerate(slot_caches(llm, n_slots))]
         self.queue_size = 4 * n_slots if queue_size is None else queue_size
         self.pending: deque[Request] = deque()
         self.cond = threading.Condition()
