@@ -137,7 +137,7 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     # first / last: the smallest and largest lim; the store is read below `last`.
     q_pos = lim = None
     if torch.is_tensor(pos):  # one query per sequence, each at its own position: lim per sequence, (B, 1, 1, 1)
-        first, last = (int(p) + 1 for p in pos.aminmax())
+        first, last = (f(pos.tolist()) + 1 for f in (min, max))
         lim = (pos + 1).view(B, 1, 1, 1)
     elif recent is None:
         first, last = pos + 1, pos + T

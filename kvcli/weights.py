@@ -143,7 +143,9 @@ class Int4:
             y = torch.cat([x @ self._slab_t(s, min(s + step, Np)) for s in range(0, Np, step)], -1)
             return y if Np == self.n else y[..., : self.n].contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed, GROUP, self.sz)
-        return y[:, : self.n].float().view(*x.shape[:-1], self.n)
+        if y.shape[1] != self.n:  # padding rows of the last tile
+            y = y[:, : self.n]
+        return y.float().view(*x.shape[:-1], self.n)
 
     def _slab_t(self, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of W (whole tiles) as W.T (K, stop - start) f32, in the thread's scratch buffer.

@@ -16,6 +16,7 @@ class DenseStore(Store):
     dense = True  # no recent window: its f16 copy would hold what the store holds
     dtype: torch.dtype
     kind: int  # the kernels' KIND (kvcli/cache/layout.py)
+    seqs: torch.Tensor | None = None  # a `rows` view's arange(batch): the sequences `store` writes at per-row positions
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -33,12 +34,14 @@ class DenseStore(Store):
         are rows of one cache, so that one step attends for all of them at once."""
         view = copy.copy(self)
         view.data, view.batch = self.data[:, start:stop], stop - start
+        view.seqs = torch.arange(view.batch, device=self.data.device)
         return view
 
     def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
         """pos: an int, or at decode (T = 1) a (B,) tensor, each sequence's own position."""
         if torch.is_tensor(pos):
-            self.data[layer, torch.arange(x.shape[0]), :, pos] = x[:, 0].to(self.dtype)  # (B, Hkv, D)
+            seqs = torch.arange(x.shape[0], device=x.device) if self.seqs is None else self.seqs
+            self.data[layer, seqs, :, pos] = x[:, 0].to(self.dtype)  # (B, Hkv, D)
             return
         if use_triton(x):  # Triton write kernel; imported here so CPU users never import triton
             from kvcli.kernels.quantize import quantize_into
