@@ -3,7 +3,7 @@
 Each form holds one matrix W (N, K) (torch order: N outputs, K inputs) and offers
   matmul(x)     x (..., K) f32 -> (..., N) f32, x @ W.T;
   rows(ids)     rows of W by index, f32 (the token embedding: only the rows asked for);
-  dequantize()  W (N, K) f32, the reference the tests (and Int8's prefill path) use;
+  dequantize()  W (N, K) f32, the reference the tests use;
   nbytes        the bytes it keeps resident.
 Forms (chosen per tensor by `choose`, from its GGUF type):
   Int4  Q4_0 / Q4_1 / Q4_K: 4-bit codes with a per-32 scale and zero point, in torch's packed
@@ -43,6 +43,9 @@ def _rows(x: torch.Tensor) -> int:
 
 # Output rows dequantized at a time when a batch multiplies an int8 matrix (4096 x 576 f32: 9 MB).
 SLAB_ROWS = 4096
+# Rows up to which a CUDA product of Blocks runs the Triton kernel on the codes (decode: each row is
+# a pass over the decoded tile in registers); a larger batch dequantizes slabs for torch's GEMM.
+KERNEL_ROWS = 16
 # f32 elements of W an int4 batch product dequantizes at a time (16 MB): a small model's matrices in one
 # slab, a large one's in several, into a buffer kept per thread (`_scratch`).
 SLAB_ELEMS = 4 << 20
@@ -57,9 +60,6 @@ def _scratch(n: int) -> torch.Tensor:
         with torch.inference_mode(False):  # a plain tensor: written in place in and out of inference mode
             buf = _SCRATCH.buf = torch.empty(n)
     return buf[:n]
-# Rows up to which a CUDA product of Blocks runs the Triton kernel on the codes (decode: each row is
-# a pass over the decoded tile in registers); a larger batch dequantizes slabs for torch's GEMM.
-KERNEL_ROWS = 16
 
 
 class Dense:
@@ -150,7 +150,8 @@ class Int4:
     def _slab_t(self, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 of W (whole tiles) as W.T (K, stop - start) f32, in the thread's scratch buffer.
         A tile's bytes (K, T / 2) hold its rows j and j + T / 2 in the low and high nibbles, so W.T's
-        columns come out of them in order; q s + (z - 8 s) is (q - 8) s + z with one rounding, as dequantize."""
+        columns come out of them in order. q s + (z - 8 s) is dequantize's (q - 8) s + z (z - 8 s is exact
+        in f32 but for bf16 scale and zero points some 2^16 apart)."""
         T, K, n = tile_width(), self.shape[1], stop - start
         tiles = self.packed[start:stop].view(n // T, K, T // 2).transpose(0, 1)  # (K, n / T, T / 2) bytes
         out = _scratch(K * n).view(K, n // T, 2, T // 2)
