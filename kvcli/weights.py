@@ -140,7 +140,8 @@ class Int4:
         if _rows(x) > INT4_GEMV_ROWS:  # f32 GEMMs over slabs of W dequantized, W.T's layout (a GEMM takes it as is)
             Np, K = self.packed.shape[0], self.shape[1]
             step = max(tile_width(), SLAB_ELEMS // K // tile_width() * tile_width())
-            y = torch.cat([x @ self._slab_t(s, min(s + step, Np)) for s in range(0, Np, step)], -1)
+            parts = [x @ self._slab_t(s, min(s + step, Np)) for s in range(0, Np, step)]
+            y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # one slab: no copy
             return y if Np == self.n else y[..., : self.n].contiguous()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed, GROUP, self.sz)
         if y.shape[1] != self.n:  # padding rows of the last tile
