@@ -53,6 +53,12 @@ class Recent:
     v: torch.Tensor
     start: int
     size: int
+    # Rows at their own positions (a (B,) pos at decode, kvcli/cache/window.py `push_rows`): k and v hold each
+    # row's whole ring in slot order (n = size); masked (B, 1, 1, n) is True where row b reads no slot, and
+    # row b reads the store below lim[b] (B, 1, 1, 1); start and high: the smallest and largest lim.
+    masked: torch.Tensor | None = None
+    lim: torch.Tensor | None = None
+    high: int = 0
 
 
 @dataclass(frozen=True)
@@ -124,7 +130,7 @@ def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch)
 
 def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, flash: bool = True,
                      recent: Recent | None = None) -> torch.Tensor:
-    """pos: the batch's first position, or (T = 1, no window) a (B,) tensor of each sequence's own."""
+    """pos: the batch's first position, or (T = 1) a (B,) tensor of each sequence's own."""
     B, T, H, D = q.shape
     Hkv = cache.k.n_heads
     G = H // Hkv
@@ -136,7 +142,9 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     # without a window, max(i - N + 1, recent.start) with one (the rest, up to i, from the window).
     # first / last: the smallest and largest lim; the store is read below `last`.
     q_pos = lim = None
-    if torch.is_tensor(pos):  # one query per sequence, each at its own position: lim per sequence, (B, 1, 1, 1)
+    if torch.is_tensor(pos) and recent is not None:  # one query per sequence, each at its own position
+        first, last, lim = recent.start, recent.high, recent.lim  # lim per sequence, (B, 1, 1, 1)
+    elif torch.is_tensor(pos):
         first, last = (f(pos.tolist()) + 1 for f in (min, max))
         lim = (pos + 1).view(B, 1, 1, 1)
     elif recent is None:
@@ -162,7 +170,9 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
 
         def window_scores() -> torch.Tensor:  # (B, Hkv, G*T, n)
             s = qm @ kw.transpose(-1, -2)
-            if T > 1:  # row r reads lim_r..its own position here
+            if recent.masked is not None:  # rows at their own positions: each reads its own slots
+                s = s.masked_fill(recent.masked, float("-inf"))
+            elif T > 1:  # row r reads lim_r..its own position here
                 j = torch.arange(recent.start, recent.start + kw.shape[2], device=q.device)
                 s = s.masked_fill((j < lim) | (j > q_pos), float("-inf"))
             return s

@@ -182,6 +182,42 @@ def test_a_rewind_reads_what_the_ring_no_longer_holds_from_the_store(monkeypatch
                                    rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("flash", [True, False])
+def test_rows_at_their_own_positions_store_and_attend_as_each_alone(monkeypatch, flash):
+    """The server's q4_hadamard slots are rows of one cache (KVCache.rows): a step's decode tokens, one per
+    row at its own position (a young row inside its window, a row rewound to a prefix), store the bytes
+    and attend to what each row's own cache would, each row writing its window to the store at its own
+    steps (Ring.push_rows)."""
+    monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 4)  # many store chunks: the online softmax over them
+    monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 0)
+    N, H, Dh, types = 4, 2, 64, ("q4_hadamard", "q4_hadamard")
+    attend = kvcli.attention.Attention(flash=flash)
+    base = KVCache(1, 4, H, 48, Dh, *types, attention=attend, window=N)
+    solo = [KVCache(1, 1, H, 48, Dh, *types, attention=attend, window=N) for _ in range(4)]
+    g = torch.Generator().manual_seed(12)
+    kv = lambda b, n: (torch.randn(b, n, H, Dh, generator=g), torch.randn(b, n, H, Dh, generator=g))  # noqa: E731
+    for b, n in enumerate([2, 7, 11, 14]):
+        k, v = kv(1, n)
+        base.rows(b, b + 1).store(0, k, v, 0)
+        solo[b].store(0, k, v, 0)
+    k, v = kv(1, 1)  # row 3 keeps 8 of its 14 positions and goes on from a new one
+    base.rows(3, 4).store(0, k, v, 8)
+    solo[3].store(0, k, v, 8)
+    rows, pos = base.rows(0, 4), [2, 7, 11, 9]
+    for step in range(14):
+        (k, v), q = kv(4, 1), torch.randn(4, 1, 2 * H, Dh, generator=g)
+        out = rows.attention(0, q, k, v, None, torch.tensor(pos))
+        for b in range(4):
+            alone = solo[b].attention(0, q[b : b + 1], k[b : b + 1], v[b : b + 1], None, pos[b])
+            torch.testing.assert_close(out[b : b + 1], alone, rtol=1e-5, atol=1e-5)
+            for mine, its in ((base.k, solo[b].k), (base.v, solo[b].v)):
+                for name in mine.batched:
+                    assert torch.equal(getattr(mine, name)[:, b], getattr(its, name)[:, 0]), (step, b, name)
+            assert torch.equal(base.ring.data[:, b], solo[b].ring.data[:, 0])
+            assert (base.ring.held[0][b], base.ring.stored[0][b]) == (solo[b].ring.held[0][0], solo[b].ring.stored[0][0])
+        pos = [p + 1 for p in pos]
+
+
 # ---- through the model: prefill equals decode, a window over the whole context is f16 ----
 
 @pytest.mark.parametrize("flash", [True, False])

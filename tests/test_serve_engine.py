@@ -102,6 +102,44 @@ def test_slots_rows_of_one_cache_decode_as_one_batch(llm, monkeypatch, flash):
         torch.testing.assert_close(batched[b], solo[i], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("flash", [True, False])
+def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flash):
+    """q4_hadamard slots with a 4-position window are rows of one cache too: over 8 steps, four rows at their
+    own positions (one young, inside its window; one rewound to a prefix, as a slot reuses one) decode as one
+    batch, each writing its window to the store at its own steps, and each gives its solo logits and tokens.
+    Not bit for bit: a batched forward rounds differently and a rounding can move a 4-bit code by a step,
+    which later steps carry (tests/test_cache_window.py shows equal bytes from equal inputs)."""
+    import kvcli.attention
+
+    monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 4)
+    monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 1)
+    attend = kvcli.attention.Attention(flash=flash)
+    spec = CacheSpec("kv", "q4_hadamard", "q4_hadamard", window=4)
+    base = make_cache(llm.config, spec, llm.n_ctx, 4, attention=attend)
+    rows = [base.rows(i, i + 1) for i in range(4)]
+    solo = [make_cache(llm.config, spec, llm.n_ctx, 1, attention=attend) for _ in range(4)]
+    assert sum(r.nbytes() for r in rows) == base.nbytes() == 4 * solo[0].nbytes()
+    prompts = [[1, 2, 3], [7, 8, 9, 10, 11, 12, 13], [5] * 11, list(range(20, 34))]
+    for r, c in zip(rows, solo):
+        for cache in (r, c):
+            p = prompts[rows.index(r)]
+            llm.model(torch.tensor([p]), cache, 0)
+    for cache in (rows[3], solo[3]):  # row 3 keeps 8 of its 14 positions and goes on from a new token
+        llm.model(torch.tensor([[40]]), cache, 8)
+    pos = [3, 7, 11, 9]
+    tokens = [[50 + b] for b in range(4)]
+    for step in range(8):
+        batched = llm.model.forward_slots(tokens, rows, pos)
+        for b in range(4):
+            alone = llm.model(torch.tensor([tokens[b]]), solo[b], pos[b])[0, -1]
+            torch.testing.assert_close(batched[b], alone, rtol=0, atol=5e-2)  # logits span about 25
+            assert int(batched[b].argmax()) == int(alone.argmax())
+        tokens = [[int(batched[b].argmax())] for b in range(4)]
+        pos = [p + 1 for p in pos]
+    for b in range(4):  # each row's window bookkeeping is its solo cache's
+        assert base.ring.held[0][b] == solo[b].ring.held[0][0] and base.ring.stored[0][b] == solo[b].ring.stored[0][0]
+
+
 def test_prompt_chunks_and_decode_tokens_in_one_step_equal_each_alone(llm):
     """One forward over two decoding slots and two slots' whole prompts: each segment's last logits are its
     solo ones (the weights read once for all of them, RoPE and attention per segment)."""

@@ -40,6 +40,10 @@ class Store:
     # V, so at equal bits its loss costs more (benchmarks/README.md, tq). None: default_window.
     default_hidden_window: ClassVar[int | None] = None
     dense: ClassVar[bool] = False  # a plain float tensor (f32, f16, bf16): a window adds nothing to it
+    # The (L, B, ...) tensors a `rows` view slices along B; () where the type gives no such views.
+    batched: ClassVar[tuple[str, ...]] = ()
+    row0 = 0  # a `rows` view's first sequence in the store it was made from
+    seqs: torch.Tensor | None = None  # a `rows` view's arange(batch): the sequences it writes at per-row positions
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -83,6 +87,16 @@ class Store:
 
     def nbytes(self) -> int:
         raise NotImplementedError
+
+    def rows(self, start: int, stop: int) -> "Store":
+        """Sequences start..stop-1 as a store of their own over the same bytes (a view): the server's slots
+        are rows of one cache, so that one step attends for all of them at once (KVCache.rows)."""
+        view = copy.copy(self)
+        for name in self.batched:
+            setattr(view, name, getattr(self, name)[:, start:stop])
+        view.batch, view.row0 = stop - start, self.row0 + start
+        view.seqs = torch.arange(view.batch, device=self.device)
+        return view
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
         """x (B, T, Hkv, D) f32 -> positions pos..pos+T-1 of this layer."""
@@ -165,26 +179,25 @@ class KVCache:
 
     @staticmethod
     def has_rows(type_k: str, type_v: str) -> bool:
-        """Can a cache of these types hand out `rows`? Dense stores only (they keep no window either)."""
-        return resolve_type(type_k).dense and resolve_type(type_v).dense
+        """Can a cache of these types hand out `rows`? Where both stores can (Store.batched)."""
+        return bool(resolve_type(type_k).batched and resolve_type(type_v).batched)
 
     def rows(self, start: int, stop: int) -> KVCache:
-        """Sequences start..stop-1 as a cache of their own over the same bytes (dense types, `has_rows`): the
-        server's slots are rows of one cache, and a step's decode tokens of rows start..stop-1 attend as one
-        batch through such a view, each at its own position (`attention` with a (B,) tensor pos)."""
+        """Sequences start..stop-1 as a cache of their own over the same bytes (`has_rows`): the server's slots
+        are rows of one cache, and a step's decode tokens of rows start..stop-1 attend as one batch through
+        such a view, each at its own position (`attention` with a (B,) tensor pos)."""
         view = copy.copy(self)
         view.k, view.v = self.k.rows(start, stop), self.v.rows(start, stop)
+        view.ring = self.ring.rows(start, stop) if self.ring else None
         view.batch, view.base, view.row0 = stop - start, self.base if self.base is not None else self, self.row0 + start
         return view
 
     def store(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> Recent | None:
         """The new K/V (B, T, Hkv, D) at positions pos..pos+T-1 (at decode, pos may be a (B,) tensor: each
-        sequence's own position; no window then). With a window, the positions leaving it go into the
-        stores (at decode in batches, kvcli/cache/window.py); returns the batch's f16 window for attention
-        (None without one)."""
+        sequence's own position). With a window, the positions leaving it go into the stores (at decode in
+        batches, kvcli/cache/window.py); returns the batch's f16 window for attention (None without one)."""
         if torch.is_tensor(pos):  # the caller (the server's engine) keeps each sequence inside its context
-            self._write(layer, k, v, pos)
-            return None
+            return self._store_rows(layer, k, v, pos)
         if pos + k.shape[1] > self.n_ctx:
             raise KvcliError(f"context full: {pos + k.shape[1]} tokens do not fit in a {self.n_ctx}-token cache")
         if not self.window:
@@ -196,7 +209,29 @@ class KVCache:
             self._write(layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
         return Recent(recent[:, :Hkv], recent[:, Hkv:], r0, self.window)
 
-    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+    def _store_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> Recent | None:
+        """`store` of one decode token per sequence (T = 1), each at its own position pos[b]: a dense store writes
+        them in one op, others one sequence at a time; with a window, each row's ring (Ring.push_rows)."""
+        if not self.window:
+            if self.k.dense and self.v.dense:
+                self._write(layer, k, v, pos)
+            else:
+                for b, p in enumerate(pos.tolist()):
+                    self._write_row(b, layer, k[b : b + 1], v[b : b + 1], p)
+            return None
+        Hkv = k.shape[2]
+        writes, w = self.ring.push_rows(layer, torch.cat([k, v], 2), pos.tolist(), pos % self.window)
+        for b, write, w0 in writes:
+            self._write_row(b, layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
+        return Recent(w.data[:, :Hkv], w.data[:, Hkv:], w.low, self.window, w.masked, w.lim, w.high)
+
+    def _write_row(self, b: int, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
+        """K/V (1, T, Hkv, D) of sequence b at positions pos..pos+T-1."""
+        one = copy.copy(self)
+        one.k, one.v = self.k.rows(b, b + 1), self.v.rows(b, b + 1)
+        one._write(layer, k, v, pos)
+
+    def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
         if type(self.k) is type(self.v):
             self.k.store_pair(self.v, layer, k, v, pos)
         else:

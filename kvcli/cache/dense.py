@@ -2,8 +2,6 @@
 
 from __future__ import annotations
 
-import copy
-
 import torch
 
 from kvcli.attention import use_triton
@@ -14,9 +12,9 @@ from kvcli.cache.base import Store
 
 class DenseStore(Store):
     dense = True  # no recent window: its f16 copy would hold what the store holds
+    batched = ("data",)
     dtype: torch.dtype
     kind: int  # the kernels' KIND (kvcli/cache/layout.py)
-    seqs: torch.Tensor | None = None  # a `rows` view's arange(batch): the sequences `store` writes at per-row positions
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -28,14 +26,6 @@ class DenseStore(Store):
 
     def kernel_layout(self) -> KernelLayout:
         return KernelLayout(self.kind)
-
-    def rows(self, start: int, stop: int) -> DenseStore:
-        """Sequences start..stop-1 as a store of their own over the same bytes (a view): the server's slots
-        are rows of one cache, so that one step attends for all of them at once."""
-        view = copy.copy(self)
-        view.data, view.batch = self.data[:, start:stop], stop - start
-        view.seqs = torch.arange(view.batch, device=self.data.device)
-        return view
 
     def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
         """pos: an int, or at decode (T = 1) a (B,) tensor, each sequence's own position."""

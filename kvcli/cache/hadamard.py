@@ -103,8 +103,8 @@ class RotatedStore(Store):
         self.rot = rotation(D).to(self.device)  # r = x @ rot.T
         self.sink = torch.zeros(L, B, H, min(self.n_sink, n), D, dtype=torch.float16, device=self.device)
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
-        self.offset_set = [False] * L
-        self._sinks32: list[torch.Tensor | None] = [None] * L  # (B, H, n_sink, D) f32 copies, made on first read
+        # per layer and sequence: has the offset been set (a `rows` view shares it, reading rows row0..)
+        self.offset_set = [[False] * B for _ in range(L)]
         self.centred = self.offset_keys if self.keys else self.offset_values
 
     def to_storage(self, x: torch.Tensor) -> torch.Tensor:
@@ -118,32 +118,32 @@ class RotatedStore(Store):
         them -> y = r - c, the values the codes hold."""
         T = x.shape[1]
         r = self.to_storage(x.float())  # (B, T, H, D)
+        rows = slice(self.row0, self.row0 + self.batch)
         if pos == 0:
-            self.offset_set[layer] = False  # a new sequence
+            self.offset_set[layer][rows] = [False] * self.batch  # a new sequence
         if pos < self.n_sink:
-            self._sinks32[layer] = None
             n = min(T, self.n_sink - pos)
             self.sink[layer, :, :, pos : pos + n] = r[:, :n].transpose(1, 2).half()
         first = max(0, self.n_sink - pos)
-        if self.centred and not self.offset_set[layer] and first < T:
+        if self.centred and not self.ready(layer) and first < T:
             self.offset[layer] = r[:, first:].mean(dim=1, keepdim=True)
-            self.offset_set[layer] = True
+            self.offset_set[layer][rows] = [True] * self.batch
         return r - self.offset[layer]
 
+    def ready(self, layer: int) -> bool:
+        """Has this layer's offset been set for these sequences (or does this store use none)?"""
+        return not self.centred or all(self.offset_set[layer][self.row0 : self.row0 + self.batch])
+
     def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
-        """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0. All of them, as decode
-        reads them, converted once (until the sinks are written again)."""
-        if start or end < self.n_sink:
-            return self.sink[layer, :, :, start : max(start, min(end, self.n_sink))].float()
-        if self._sinks32[layer] is None:
-            self._sinks32[layer] = self.sink[layer].float()
-        return self._sinks32[layer]
+        """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0."""
+        return self.sink[layer, :, :, start : max(start, min(end, self.n_sink))].float()
 
 
 class HadamardQ4Store(RotatedStore):
     """Rotated, offset vectors as 4-bit codes in int4 GEMM tiles (keys and values differ), bf16 scales."""
 
     name = "q4_hadamard"
+    batched = ("data", "scale", "sink", "offset")
     default_window = 16  # f16 recent window (kvcli/cache/window.py): from KLD per size, benchmarks/README.md
     block_size, block_bytes = 32, 18  # 16 bytes of codes and a bf16 scale per 32 elements: 4.5 bits
 
@@ -158,7 +158,10 @@ class HadamardQ4Store(RotatedStore):
         shape = (self.n_pad // tw, D, tw // 2) if self.keys else (D // self.width, self.n_pad, self.width // 2)
         self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
         self.scale = lazy_zeros((L, B, H, D // 32, self.n_pad), torch.bfloat16, self.device)
-        self._unit = None  # (n_pad / 32, W, 2) bf16 unit scales for the value GEMM, made on first use
+        self._unit = None  # (n_pad / 32, W, 2) bf16 unit scales for the value GEMM; made here: `rows` views share it
+        if not self.keys:
+            self._unit = torch.zeros(self.n_pad // 32, self.width, 2, dtype=torch.bfloat16, device=self.device)
+            self._unit[..., 0] = 1
         # fixed for the store's life: built once, not per layer and token where the kernels run
         self._layout = KernelLayout(Kind.HADAMARD_KEYS if self.keys else Kind.HADAMARD_VALUES, self.block_bytes,
                                     table=tuple(_SCALE_GRID.tolist()), n_sink=N_SINK,
@@ -263,9 +266,6 @@ class HadamardQ4Store(RotatedStore):
     def weighted_sum(self, layer, p, start, end):
         if not self.gemm(p):
             return super().weighted_sum(layer, p, start, end)
-        if self._unit is None:
-            self._unit = torch.zeros(self.n_pad // 32, self.width, 2, dtype=torch.bfloat16, device=p.device)
-            self._unit[..., 0] = 1
         sinks = self._sinks(layer, start, end)
         m = sinks.shape[2]
         out = int4_gemm.weighted_sum(p, self.data[layer], self.scale[layer], start, end, self._unit, skip=m)

@@ -274,10 +274,6 @@ class TurboStore(RotatedStore):
             self._pair_offsets[layer] = key, torch.cat([self.offset[layer], other.offset[layer]])
         return self._pair_offsets[layer][1]
 
-    def ready(self, layer: int) -> bool:
-        """Has this layer's offset been set (or does this store use none)?"""
-        return self.offset_set[layer] or not self.centred
-
     def put(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: int) -> None:
         """Codes u (B, T, H, D) and scales d (B, T, H, D / block) into positions pos..pos+T-1."""
         B, T, H, D = u.shape

@@ -17,22 +17,49 @@ A rewind (a chat keeping only a common prefix) can ask for positions whose f16 c
 overwritten; they left the window before, so the store holds them and attention reads them there.
 How many positions the window keeps per storage type is `Store.default_window` (kvcli/cache/base.py), and
 for the hidden-state cache `Store.default_hidden_window` where a type sets one.
+
+The server's slots may be rows of one cache (KVCache.rows), each at its own position: the ring keeps
+what it holds and what the store holds per sequence, and `push_rows` takes one decode token per row.
+Attention then reads each row's whole ring in slot order (a softmax ignores the order of its keys),
+masking the slots outside the positions that row reads here.
 """
 
 from __future__ import annotations
 
+import copy
+from dataclasses import dataclass
+
 import torch
+
+
+@dataclass(frozen=True)
+class RowsWindow:
+    """What `Ring.push_rows` gives attention: data (B, H, N, D) f32, each row's whole ring in slot order;
+    masked (B, 1, 1, N), True where a slot holds no position its row reads here; lim (B, 1, 1, 1): row b reads
+    the store below lim[b] (the positions lim[b]..pos[b] are here); low, high: the smallest and largest lim."""
+
+    data: torch.Tensor
+    masked: torch.Tensor
+    lim: torch.Tensor
+    low: int
+    high: int
 
 
 class Ring:
     """One window: (L, B, H, N, D) f16, position p in slot p % N. The KV cache keeps K's and V's heads
     side by side in one (H = 2 Hkv: one write per layer), the hidden-state cache x's."""
 
+    row0 = 0  # a `rows` view's first sequence in the ring it was made from
+
     def __init__(self, n_layers: int, batch: int, n_heads: int, size: int, head_dim: int, device: str = "cpu"):
-        self.size = size
+        self.size, self.batch = size, batch
         self.data = torch.zeros(n_layers, batch, n_heads, size, head_dim, dtype=torch.float16, device=device)
-        self.held = [(0, 0)] * n_layers  # per layer: the positions lo..hi-1 whose f16 copies are here
-        self.stored = [0] * n_layers  # per layer: positions below it are in the store
+        # per layer and sequence: the positions lo..hi-1 whose f16 copies are here; positions below `stored`
+        # are in the store (a `rows` view shares these lists and reads its rows row0..row0+batch-1)
+        self.held = [[(0, 0)] * batch for _ in range(n_layers)]
+        self.stored = [[0] * batch for _ in range(n_layers)]
+        self._masks: dict = {}  # push_rows' masks by (positions, limits): the same for every layer of a step
+        self.seqs = torch.arange(batch, device=device)  # for push_rows' per-row writes
 
     @staticmethod
     def nbytes_for(n_layers: int, batch: int, width: int, size: int) -> int:
@@ -42,6 +69,13 @@ class Ring:
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
+    def rows(self, start: int, stop: int) -> Ring:
+        """Sequences start..stop-1 as a ring of their own over the same bytes and bookkeeping (a view)."""
+        view = copy.copy(self)
+        view.data, view.batch, view.row0 = self.data[:, start:stop], stop - start, self.row0 + start
+        view._masks, view.seqs = {}, torch.arange(view.batch, device=self.data.device)
+        return view
+
     def _slots(self, start: int, end: int) -> list[tuple[int, int]]:
         """The slot ranges of positions start..end-1 (at most N of them), in order: one, or two where they wrap."""
         s, n = start % self.size, end - start
@@ -49,14 +83,19 @@ class Ring:
             return [(s, s + n)] if n else []
         return [(s, self.size), (0, s + n - self.size)]
 
+    def _reads_from(self, layer: int, row: int, pos: int) -> int:
+        """a: a batch at pos reads positions a..pos-1 from here (those still held; a rewind may have lost some)."""
+        lo, hi = self.held[layer][row]
+        return min(pos, max(lo, pos - self.size)) if pos <= hi else pos
+
     def push(self, layer: int, x: torch.Tensor, pos: int) -> tuple[torch.Tensor | None, int, torch.Tensor, int]:
-        """Write x (B, T, H, D), positions pos..pos+T-1 -> (write, w0, recent, r0):
+        """Write x (B, T, H, D), positions pos..pos+T-1 of every row -> (write, w0, recent, r0):
         write (B, m, H, D) f32: positions w0..w0+m-1 for the store now (None if none): those that leave the
         window with this batch and are not in the store yet, and at decode (T = 1) the window with them;
         recent (B, H, n, D) f32: positions r0..pos+T-1 in f16, what this batch's queries may read here."""
         N, T, ring = self.size, x.shape[1], self.data[layer]  # ring (B, H, N, D)
-        lo, hi = self.held[layer]
-        a = min(pos, max(lo, pos - N)) if pos <= hi else pos  # positions a..pos-1 are read from here
+        rows = slice(self.row0, self.row0 + self.batch)  # all alike: row0's bookkeeping stands for them
+        a = self._reads_from(layer, self.row0, pos)  # positions a..pos-1 are read from here
         new = x.transpose(1, 2).to(torch.float16)  # (B, H, T, D)
         span = torch.cat([ring[:, :, s0:s1] for s0, s1 in self._slots(a, pos)] + [new], 2).float()  # a..pos+T-1
         keep = max(pos, pos + T - N)  # the newest N positions stay
@@ -64,15 +103,52 @@ class Ring:
         for s0, s1 in self._slots(keep, pos + T):
             ring[:, :, s0:s1] = new[:, :, i : i + s1 - s0]
             i += s1 - s0
-        self.held[layer] = (max(a, pos + T - N), pos + T)
+        self.held[layer][rows] = [(max(a, pos + T - N), pos + T)] * self.batch
         r0 = max(a, pos - N + 1)
         recent = span[:, :, r0 - a :]
         # positions below pos + T - N have left (their slots now hold new ones); a rewind drops what the
         # store held from pos on
-        done, gone = min(self.stored[layer], pos), pos + T - N
+        done, gone = min(self.stored[layer][self.row0], pos), pos + T - N
         if gone <= done:
-            self.stored[layer] = done
+            self.stored[layer][rows] = [done] * self.batch
             return None, done, recent, r0
         w0, w1 = max(a, done), pos + 1 if T == 1 else gone  # decode: with the window, leaving over N steps
-        self.stored[layer] = w1
+        self.stored[layer][rows] = [w1] * self.batch
         return span[:, :, w0 - a : w1 - a].transpose(1, 2).contiguous(), w0, recent, r0
+
+    def push_rows(self, layer: int, x: torch.Tensor, pos: list[int],
+                  slots: torch.Tensor) -> tuple[list[tuple[int, torch.Tensor, int]], RowsWindow]:
+        """Decode: x (B, 1, H, D), row b's token at position pos[b]; slots (B,): pos % N -> (writes, window):
+        writes, (b, write, w0) per row that writes to the store now, as `push` (write (1, m, H, D) f32:
+        positions w0.. of row b); window: what the rows' queries read here (RowsWindow)."""
+        N, ring = self.size, self.data[layer]
+        new = x[:, 0].to(torch.float16)  # (B, H, D): a position is quantized from its f16 copy, as in `push`
+        writes, lims = [], []
+        for b, p in enumerate(pos):
+            row = self.row0 + b
+            a = self._reads_from(layer, row, p)
+            lims.append(max(a, p - N + 1))
+            self.held[layer][row] = (max(a, p + 1 - N), p + 1)
+            done = min(self.stored[layer][row], p)
+            if p + 1 - N <= done:
+                self.stored[layer][row] = done
+                continue
+            w0 = max(a, done)  # positions w0..p-1 leave over the next steps: into the store with p now
+            span = [ring[b : b + 1, :, s0:s1] for s0, s1 in self._slots(w0, p)] + [new[b : b + 1, :, None]]
+            writes.append((b, torch.cat(span, 2).transpose(1, 2).float(), w0))
+            self.stored[layer][row] = p + 1
+        ring[self.seqs, :, slots] = new  # after the writes read the slots
+        key = (tuple(pos), tuple(lims))
+        if key not in self._masks:
+            self._masks = {key: self._rows_mask(pos, lims, ring.device)}  # one step's: the newest only
+        masked, lim = self._masks[key]
+        return writes, RowsWindow(ring.float(), masked, lim, min(lims), max(lims))
+
+    def _rows_mask(self, pos: list[int], lims: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
+        """(masked (B, 1, 1, N), lim (B, 1, 1, 1)): slot s of row b holds position q = p - (p - s) mod N, read
+        here where q >= lim[b] (q <= p always; a young row's unwritten slots have q < 0)."""
+        N = self.size
+        masked = [[p - (p - s) % N < lo for s in range(N)] for p, lo in zip(pos, lims)]
+        B = len(pos)
+        return (torch.tensor(masked, device=device).view(B, 1, 1, N),
+                torch.tensor(lims, device=device).view(B, 1, 1, 1))
