@@ -213,6 +213,9 @@ class _Slots:
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                   pos: int) -> torch.Tensor:
         """q (1, N, H, D), k/v (1, N, Hkv, D), x (1, N, n_embd) -> (1, N, H * D); pos unused (each segment's own)."""
+        if len(self.runs) == 1 and torch.is_tensor(self.runs[0][1]):  # every token a decode token of one rows run
+            c, p, _, n = self.runs[0]
+            return c.attention(layer, q[0, :, None], k[0, :, None], v[0, :, None], x[0, :, None], p).view(1, n, -1)
         out = []
         for c, p, a, n in self.runs:
             if torch.is_tensor(p):  # n sequences, a token each: (n, 1, ...) views

@@ -5,9 +5,16 @@ test_block_products.py, with the q4_0 path's."""
 import pytest
 import torch
 
-from kvcli.cache import KVCache, block_products, int4_gemm
+from kvcli.cache import KVCache, block_products, hadamard, int4_gemm
 
 BF16 = 2.0**-8  # bf16's relative precision: the GEMM's inputs and outputs are rounded to it
+
+
+@pytest.fixture(autouse=True)
+def gemm_at_any_length(monkeypatch):
+    """The products here go through the GEMM however few positions they read (decode dequantizes below
+    hadamard.GEMM_MIN_POSITIONS, where the GEMM's fixed cost does not pay)."""
+    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 0, False: 0})
 
 
 def _cache(kind_k, kind_v, B, Hkv, D, n, seed=0):
@@ -72,3 +79,11 @@ def test_path_choice():
     cache = KVCache(1, 1, 2, 8, 64, "q4_hadamard", "q4_hadamard")
     assert cache.k.gemm(torch.zeros(1, 2, block_products.MAX_ROWS, 64))
     assert not cache.v.gemm(torch.zeros(1, 2, block_products.MAX_ROWS + 1, 8))
+
+
+def test_short_products_dequantize(monkeypatch):
+    """Below GEMM_MIN_POSITIONS positions a product dequantizes (the GEMM's per-call cost)."""
+    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 128, False: 256})
+    cache = KVCache(1, 2, 2, 1024, 64, "q4_hadamard", "q4_hadamard")
+    assert cache.k._short(0, 127) and not cache.k._short(0, 128)
+    assert cache.v._short(10, 265) and not cache.v._short(10, 266)

