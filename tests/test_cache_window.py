@@ -183,14 +183,18 @@ def test_a_rewind_reads_what_the_ring_no_longer_holds_from_the_store(monkeypatch
 
 
 @pytest.mark.parametrize("flash", [True, False])
-def test_rows_at_their_own_positions_store_and_attend_as_each_alone(monkeypatch, flash):
-    """The server's q4_hadamard slots are rows of one cache (KVCache.rows): a step's decode tokens, one per
-    row at its own position (a young row inside its window, a row rewound to a prefix), store the bytes
-    and attend to what each row's own cache would, each row writing its window to the store at its own
-    steps (Ring.push_rows)."""
+@pytest.mark.parametrize("types, N", [(("q4_hadamard", "q4_hadamard"), 4), (("q4_0", "q4_0"), 3),
+                                      (("q8_0", "q4_0"), 0), (("q4_hadamard", "q8_0"), 0), (("f16", "q4_0"), 0)],
+                         ids=lambda v: "-".join(v) if isinstance(v, tuple) else f"window{v}")
+def test_rows_at_their_own_positions_store_and_attend_as_each_alone(monkeypatch, flash, types, N):
+    """The server's slots are rows of one cache (KVCache.rows): a step's decode tokens, one per row at its own
+    position (a young row inside its window, a row rewound to a prefix), store the bytes and attend to what
+    each row's own cache would; with a window each row writes it to the store at its own steps
+    (Ring.push_rows), without one the stores write each row at its position (or, q4_hadamard, one by one)."""
     monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 4)  # many store chunks: the online softmax over them
     monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 0)
-    N, H, Dh, types = 4, 2, 64, ("q4_hadamard", "q4_hadamard")
+    H, Dh = 2, 64
+    assert KVCache.has_rows(*types)
     attend = kvcli.attention.Attention(flash=flash)
     base = KVCache(1, 4, H, 48, Dh, *types, attention=attend, window=N)
     solo = [KVCache(1, 1, H, 48, Dh, *types, attention=attend, window=N) for _ in range(4)]
@@ -213,9 +217,15 @@ def test_rows_at_their_own_positions_store_and_attend_as_each_alone(monkeypatch,
             for mine, its in ((base.k, solo[b].k), (base.v, solo[b].v)):
                 for name in mine.batched:
                     assert torch.equal(getattr(mine, name)[:, b], getattr(its, name)[:, 0]), (step, b, name)
-            assert torch.equal(base.ring.data[:, b], solo[b].ring.data[:, 0])
-            assert (base.ring.held[0][b], base.ring.stored[0][b]) == (solo[b].ring.held[0][0], solo[b].ring.stored[0][0])
+            if N:
+                assert torch.equal(base.ring.data[:, b], solo[b].ring.data[:, 0])
+                assert ((base.ring.held[0][b], base.ring.stored[0][b])
+                        == (solo[b].ring.held[0][0], solo[b].ring.stored[0][0]))
         pos = [p + 1 for p in pos]
+
+
+def test_rows_need_both_types_to_give_them():
+    assert KVCache.has_rows("q8_0", "f16") and not KVCache.has_rows("tq3", "q8_0")
 
 
 # ---- through the model: prefill equals decode, a window over the whole context is f16 ----

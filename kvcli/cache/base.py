@@ -42,6 +42,9 @@ class Store:
     dense: ClassVar[bool] = False  # a plain float tensor (f32, f16, bf16): a window adds nothing to it
     # The (L, B, ...) tensors a `rows` view slices along B; () where the type gives no such views.
     batched: ClassVar[tuple[str, ...]] = ()
+    # `store` (and `store_pair`) take a (B,) pos at T = 1, each sequence at its own position; else the cache
+    # writes such a step one sequence at a time.
+    per_row_positions: ClassVar[bool] = False
     row0 = 0  # a `rows` view's first sequence in the store it was made from
     seqs: torch.Tensor | None = None  # a `rows` view's arange(batch): the sequences it writes at per-row positions
 
@@ -97,6 +100,10 @@ class Store:
         view.batch, view.row0 = stop - start, self.row0 + start
         view.seqs = torch.arange(view.batch, device=self.device)
         return view
+
+    def sequences(self, n: int) -> torch.Tensor:
+        """arange(n), the sequences a per-row write indexes (a `rows` view keeps its own)."""
+        return self.seqs if self.seqs is not None else torch.arange(n, device=self.device)
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
         """x (B, T, Hkv, D) f32 -> positions pos..pos+T-1 of this layer."""
@@ -210,10 +217,11 @@ class KVCache:
         return Recent(recent[:, :Hkv], recent[:, Hkv:], r0, self.window)
 
     def _store_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: torch.Tensor) -> Recent | None:
-        """`store` of one decode token per sequence (T = 1), each at its own position pos[b]: a dense store writes
-        them in one op, others one sequence at a time; with a window, each row's ring (Ring.push_rows)."""
+        """`store` of one decode token per sequence (T = 1), each at its own position pos[b]: in one pass where the
+        stores can (Store.per_row_positions), else one sequence at a time; with a window, each row's ring
+        (Ring.push_rows)."""
         if not self.window:
-            if self.k.dense and self.v.dense:
+            if self.k.per_row_positions and self.v.per_row_positions:
                 self._write(layer, k, v, pos)
             else:
                 for b, p in enumerate(pos.tolist()):

@@ -13,6 +13,7 @@ from kvcli.cache.base import Store
 class DenseStore(Store):
     dense = True  # no recent window: its f16 copy would hold what the store holds
     batched = ("data",)
+    per_row_positions = True
     dtype: torch.dtype
     kind: int  # the kernels' KIND (kvcli/cache/layout.py)
 
@@ -30,8 +31,7 @@ class DenseStore(Store):
     def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
         """pos: an int, or at decode (T = 1) a (B,) tensor, each sequence's own position."""
         if torch.is_tensor(pos):
-            seqs = torch.arange(x.shape[0], device=x.device) if self.seqs is None else self.seqs
-            self.data[layer, seqs, :, pos] = x[:, 0].to(self.dtype)  # (B, Hkv, D)
+            self.data[layer, self.sequences(x.shape[0]), :, pos] = x[:, 0].to(self.dtype)  # (B, Hkv, D)
             return
         if use_triton(x):  # Triton write kernel; imported here so CPU users never import triton
             from kvcli.kernels.quantize import quantize_into

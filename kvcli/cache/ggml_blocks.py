@@ -120,6 +120,8 @@ class GgmlBlockStore(Store):
     also has a decode path that reads its bytes directly (kvcli/cache/block_products.py)."""
 
     reads_nibbles: ClassVar[bool] = False  # q4_0 layout: decode scores and sums from the bytes
+    batched = ("data",)
+    per_row_positions = True
     # the block's fields for the kernels (ggml-common.h): KIND, fp16 m, 4 bytes of fifth bits, nibbles
     kind: ClassVar[int | None] = None  # None: no kernel reads this type (a new type may start so)
     m_offset: ClassVar[int] = 0
@@ -145,7 +147,7 @@ class GgmlBlockStore(Store):
         """Read the bytes without dequantizing? For a few query rows (decode), on the CPU."""
         return self.reads_nibbles and x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
 
-    def rows(self, layer: int, start: int, end: int) -> torch.Tensor:
+    def byte_rows(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Positions start..end-1 as (B * Hkv, t, row_bytes) uint8, a view."""
         return self.data[layer, :, :, start:end].flatten(0, 1)
 
@@ -153,34 +155,43 @@ class GgmlBlockStore(Store):
         if not (self.direct(q) and block_products.int_mm_fast()):
             return super().scores(layer, q, start, end)
         B, H, R, D = q.shape
-        return block_products.scores(q.reshape(B * H, R, D), self.rows(layer, start, end),
+        return block_products.scores(q.reshape(B * H, R, D), self.byte_rows(layer, start, end),
                                      self.codes).view(B, H, R, end - start)
 
     def weighted_sum(self, layer, p, start, end):
         if not self.direct(p):
             return super().weighted_sum(layer, p, start, end)
         B, H, R, t = p.shape
-        return block_products.weighted_sum(p.reshape(B * H, R, t), self.rows(layer, start, end),
+        return block_products.weighted_sum(p.reshape(B * H, R, t), self.byte_rows(layer, start, end),
                                            self.codes).view(B, H, R, self.head_dim)
 
     def nbytes(self) -> int:
         return self.data.numel()
 
-    def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+    def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
+        """pos: an int, or at decode (T = 1) a (B,) tensor, each sequence's own position."""
         self.write(layer, x.float(), pos)
 
-    def store_pair(self, other: "GgmlBlockStore", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
+    def store_pair(self, other: "GgmlBlockStore", layer: int, x: torch.Tensor, y: torch.Tensor,
+                   pos: int | torch.Tensor) -> None:
         """K here, V in `other` (same type), quantized in one pass: the quantizer's few dozen small ops
         run once per token instead of twice."""
         x, y = x.float(), y.float()
-        if self.triton(x):
+        if self.triton(x) and not torch.is_tensor(pos):
             self.write(layer, x, pos)
             other.write(layer, y, pos)
             return
-        B, T = x.shape[:2]
+        B = x.shape[0]
         blocks = self.quantize_rows(torch.cat([x, y]))  # (2B, Hkv, T, row_bytes)
-        self.data[layer, :, :, pos : pos + T] = blocks[:B]
-        other.data[layer, :, :, pos : pos + T] = blocks[B:]
+        self._put(layer, blocks[:B], pos)
+        other._put(layer, blocks[B:], pos)
+
+    def _put(self, layer: int, blocks: torch.Tensor, pos: int | torch.Tensor) -> None:
+        """blocks (B, Hkv, T, row_bytes) into positions pos..pos+T-1 (a (B,) pos: T = 1, each row at its own)."""
+        if torch.is_tensor(pos):
+            self.data[layer, self.sequences(blocks.shape[0]), :, pos] = blocks[:, :, 0]
+        else:
+            self.data[layer, :, :, pos : pos + blocks.shape[2]] = blocks
 
     def triton(self, x: torch.Tensor) -> bool:
         """Write through the Triton kernel: on CUDA, for a type a kernel reads."""
@@ -192,14 +203,14 @@ class GgmlBlockStore(Store):
         blocks = self.quantize_blocks(x.reshape(B, T, H, D // self.block_size, self.block_size))
         return blocks.reshape(B, T, H, self.row_bytes).transpose(1, 2)
 
-    def write(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        """Quantize x (B, T, Hkv, D) f32 into positions pos..pos+T-1."""
-        if self.triton(x):  # Triton quantize-on-write, byte-equal to quantize_blocks; triton imported only here
-            from kvcli.kernels.quantize import quantize_into
+    def write(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
+        """Quantize x (B, T, Hkv, D) f32 into positions pos..pos+T-1 (pos: as `store`)."""
+        if self.triton(x) and not torch.is_tensor(pos):  # Triton quantize-on-write, byte-equal to quantize_blocks
+            from kvcli.kernels.quantize import quantize_into  # triton imported only here
 
             quantize_into(self.kernel_layout(), x, self.data[layer], pos)
             return
-        self.data[layer, :, :, pos : pos + x.shape[1]] = self.quantize_rows(x)
+        self._put(layer, self.quantize_rows(x), pos)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         rows = self.data[layer, :, :, start:end]  # (B, H, t, row_bytes), a view
