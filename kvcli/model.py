@@ -213,9 +213,6 @@ class _Slots:
     def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
                   pos: int) -> torch.Tensor:
         """q (1, N, H, D), k/v (1, N, Hkv, D), x (1, N, n_embd) -> (1, N, H * D); pos unused (each segment's own)."""
-        if len(self.runs) == 1 and torch.is_tensor(self.runs[0][1]):  # every token a decode token of one rows run
-            c, p, _, n = self.runs[0]
-            return c.attention(layer, q[0, :, None], k[0, :, None], v[0, :, None], x[0, :, None], p).view(1, n, -1)
         out = []
         for c, p, a, n in self.runs:
             if torch.is_tensor(p):  # n sequences, a token each: (n, 1, ...) views
@@ -223,7 +220,7 @@ class _Slots:
                 out.append(c.attention(layer, *rows, p).view(1, n, -1))
             else:
                 out.append(c.attention(layer, q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], x[:, a : a + n], p))
-        return torch.cat(out, 1)
+        return out[0] if len(out) == 1 else torch.cat(out, 1)  # one run (all rows decoding): no copy
 
 
 class Transformer(nn.Module):
