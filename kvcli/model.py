@@ -182,7 +182,7 @@ class _Slots:
     """Several one-sequence caches as one for Block.forward: a (1, sum n_i, ...) batch whose i-th segment of
     n_i tokens goes to caches[i] at positions[i].., and each cache stores and attends as it would alone (every
     cache type, window and kernel unchanged). The block's projections, norms and MLP run over the whole batch.
-    Decode tokens (n_i = 1) of consecutive rows of one cache (KVCache.rows: the server's dense slots) attend
+    Decode tokens (n_i = 1) of consecutive rows of one cache (KVCache.rows: the server's slots) attend
     as one batch through a view of those rows, each at its own position: one set of ops, not one a slot."""
 
     def __init__(self, caches: list, positions: list[int], lengths: list[int]):
