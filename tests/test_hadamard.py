@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcli.cache import KVCache, resolve_type
+from kvcli.cache import KVCache, hadamard, resolve_type
 from kvcli.cache.ggml_blocks import Q4_0Store
 from kvcli.cache.hadamard import N_SINK, quantize_q4_mse, rotation
 from kvcli.llama import Llama
@@ -55,6 +55,31 @@ def test_round_trip_in_rotated_space_sinks_exactish(keys, tile):
     assert torch.allclose(back[:, :N_SINK], x[:, :N_SINK], atol=1e-2)  # sinks: f16
     rel = (back - x).norm() / x.norm()
     assert rel < 0.05, rel
+
+
+@pytest.mark.parametrize("tile", [32, 64])
+@pytest.mark.parametrize("D", [32, 64, 128])
+def test_short_decode_products_from_the_codes_equal_the_dequantized_ones(monkeypatch, D, tile):
+    """Below GEMM_MIN_POSITIONS (and wherever the int4 GEMM does not apply) decode scores and weighted sums
+    come from the codes with the scales kept out (`_code_scores`, `_code_weighted_sum`): equal to q @ load().T
+    and p @ load() to f32 rounding, for ranges inside and past the sinks, within and across tiles."""
+    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**6, False: 10**6})
+    B, H, n, R = 2, 3, 141, 5
+    g = torch.Generator().manual_seed(D + tile)
+    k_store, v_store = (resolve_type("q4_hadamard")(1, B, H, 160, D, keys=keys, tile=tile) for keys in (True, False))
+    x = torch.randn(B, n, H, D, generator=g) + 1.0
+    for store, y in ((k_store, x), (v_store, x.flip(1))):
+        store.store(0, y[:, : n - 2], 0)
+        for pos in (n - 2, n - 1):  # decode writes: one nibble per byte
+            store.store(0, y[:, pos : pos + 1], pos)
+    q = k_store.to_storage(torch.randn(B, H, R, D, generator=g))
+    p = torch.softmax(torch.randn(B, H, R, n, generator=g) * 3, -1)
+    for start, end in [(0, n), (0, 3), (2, 9), (17, n), (64, 130), (70, 71)]:
+        s_ref = q @ k_store.load(0, start, end).transpose(-1, -2)
+        torch.testing.assert_close(k_store.scores(0, q, start, end), s_ref, rtol=1e-5, atol=1e-5 * s_ref.abs().max().item())
+        ref = p[..., start:end] @ v_store.load(0, start, end)
+        out = v_store.weighted_sum(0, p[..., start:end], start, end)
+        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_flash_on_off_and_chunked_equal(monkeypatch, tmp_path):

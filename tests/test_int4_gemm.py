@@ -12,7 +12,7 @@ BF16 = 2.0**-8  # bf16's relative precision: the GEMM's inputs and outputs are r
 
 @pytest.fixture(autouse=True)
 def gemm_at_any_length(monkeypatch):
-    """The products here go through the GEMM however few positions they read (decode dequantizes below
+    """The products here go through the GEMM however few positions they read (decode reads the codes as f32 below
     hadamard.GEMM_MIN_POSITIONS, where the GEMM's fixed cost does not pay)."""
     monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 0, False: 0})
 
@@ -81,8 +81,8 @@ def test_path_choice():
     assert not cache.v.gemm(torch.zeros(1, 2, block_products.MAX_ROWS + 1, 8))
 
 
-def test_short_products_dequantize(monkeypatch):
-    """Below GEMM_MIN_POSITIONS positions a product dequantizes (the GEMM's per-call cost)."""
+def test_short_products_read_the_codes(monkeypatch):
+    """Below GEMM_MIN_POSITIONS positions a product reads the codes as f32 (the GEMM's per-call cost)."""
     monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 128, False: 256})
     cache = KVCache(1, 2, 2, 1024, 64, "q4_hadamard", "q4_hadamard")
     assert cache.k._short(0, 127) and not cache.k._short(0, 128)

@@ -106,7 +106,8 @@ def test_slots_rows_of_one_cache_decode_as_one_batch(llm, monkeypatch, flash):
 def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flash):
     """q4_hadamard slots with a 4-position window are rows of one cache too: over 8 steps, four rows at their
     own positions (one young, inside its window; one rewound to a prefix, as a slot reuses one) decode as one
-    batch, each writing its window to the store at its own steps, and each gives its solo logits and tokens.
+    batch, each writing its window to the store at its own steps, and each gives its solo logits and tokens
+    (where its two best logits are further apart than the tolerance).
     Not bit for bit: a batched forward rounds differently and a rounding can move a 4-bit code by a step,
     which later steps carry (tests/test_cache_window.py shows equal bytes from equal inputs)."""
     import kvcli.attention
@@ -133,7 +134,9 @@ def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flas
         for b in range(4):
             alone = llm.model(torch.tensor([tokens[b]]), solo[b], pos[b])[0, -1]
             torch.testing.assert_close(batched[b], alone, rtol=0, atol=0.15)  # logits span about 30
-            assert int(batched[b].argmax()) == int(alone.argmax())
+            top = alone.topk(2).values
+            if top[0] - top[1] > 0.3:  # the same token, unless the two best are within the logits' tolerance
+                assert int(batched[b].argmax()) == int(alone.argmax())
         tokens = [[int(batched[b].argmax())] for b in range(4)]
         pos = [p + 1 for p in pos]
     for b in range(4):  # each row's window bookkeeping is its solo cache's

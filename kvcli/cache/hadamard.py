@@ -37,10 +37,11 @@ from kvcli.kernel_layout import Kind, KernelLayout
 from kvcli.errors import KvcliError
 
 N_SINK = 4
-# Positions of a decode product below which dequantizing the chunk costs less than torch's int4 GEMM (one
-# call per sequence and head, each with its fixed cost): keys, values (benchmarks/README.md). Per sequence,
-# not per batch, so that a sequence reads its cache the same way alone and beside others.
-GEMM_MIN_POSITIONS = {True: 128, False: 256}
+# Positions of a decode product below which reading the codes as f32 (`_code_scores`, `_code_weighted_sum`)
+# costs less than torch's int4 GEMM (one call per sequence and head, each with its fixed cost): keys, values
+# (benchmarks/README.md). Per sequence, not per batch, so that a sequence reads its cache the same way alone
+# and beside others.
+GEMM_MIN_POSITIONS = {True: 128, False: 384}
 # Scales tried per block, as fractions of ggml's q4_0 scale max / -8, each refit by least squares.
 _SCALE_GRID = torch.linspace(0.70, 1.10, 9)
 
@@ -263,21 +264,57 @@ class HadamardQ4Store(RotatedStore):
         return end - start < GEMM_MIN_POSITIONS[self.keys]
 
     def scores(self, layer, q, start, end):
-        if not self.gemm(q) or self._short(start, end):
+        if q.shape[-2] > block_products.MAX_ROWS:
             return super().scores(layer, q, start, end)  # through load: offset and sinks included
-        s = int4_gemm.scores(q, self.data[layer], self.scale[layer], start, end)  # q . y_t
+        if not self.gemm(q) or self._short(start, end):
+            s = self._code_scores(layer, q, start, end)
+        else:
+            s = int4_gemm.scores(q, self.data[layer], self.scale[layer], start, end)  # q . y_t
         s += q @ self.offset[layer].permute(0, 2, 3, 1)  # + q . c: (B, H, R, D) @ (B, H, D, 1)
         sinks = self._sinks(layer, start, end)
         s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
         return s
 
     def weighted_sum(self, layer, p, start, end):
-        if not self.gemm(p) or self._short(start, end):
+        if p.shape[-2] > block_products.MAX_ROWS:
             return super().weighted_sum(layer, p, start, end)
         sinks = self._sinks(layer, start, end)
         m = sinks.shape[2]
-        out = int4_gemm.weighted_sum(p, self.data[layer], self.scale[layer], start, end, self._unit, skip=m)
+        if not self.gemm(p) or self._short(start, end):
+            out = self._code_weighted_sum(layer, p, start, end, skip=m)
+        else:
+            out = int4_gemm.weighted_sum(p, self.data[layer], self.scale[layer], start, end, self._unit, skip=m)
         out.addcmul_(p[..., m:].sum(-1, keepdim=True), self.offset[layer].transpose(1, 2))  # + c, past the sinks
         if m:
             out += p[..., :m] @ sinks
         return out
+
+    # Short decode products (below GEMM_MIN_POSITIONS, or no int4 GEMM): the codes as f32, the scales kept
+    # out of the full-size pass (block_products' identities: q . d (u - 8) = d (q . u - 8 sum q), and
+    # sum_t p_t d_t (u_t - 8) = (p d) . u - 8 sum_t p_t d_t); one float copy of the codes, no dequantized cache.
+    def _code_scores(self, layer: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
+        """q (B, H, R, D) . d (u - 8) for the keys at start..end-1 -> (B, H, R, end - start) f32; no offset, no sinks."""
+        B, H, R, D = q.shape
+        tw, nb = self.tile, D // 32
+        t0, t1 = start // tw, -(-end // tw)
+        nt = t1 - t0
+        u = int4_gemm.unpack_pairs(self.data[layer, :, :, t0:t1]).float()  # (B, H, nt, D, T): tile, element, position
+        qb = q.unflatten(-1, (nb, 32)).transpose(2, 3)  # (B, H, nb, R, 32)
+        qu = qb.unsqueeze(2) @ u.view(B, H, nt, nb, 32, tw)  # (B, H, nt, nb, R, T): q_b . u_b
+        qu -= 8 * qb.sum(-1, keepdim=True).unsqueeze(2)
+        d = self.scale[layer, :, :, :, t0 * tw : t1 * tw].unflatten(-1, (nt, 1, tw)).transpose(2, 3)  # (B, H, nt, nb, 1, T)
+        s = (qu * d).sum(3)  # (B, H, nt, R, T)
+        return s.transpose(2, 3).reshape(B, H, R, nt * tw)[..., start - t0 * tw : end - t0 * tw]
+
+    def _code_weighted_sum(self, layer: int, p: torch.Tensor, start: int, end: int, skip: int = 0) -> torch.Tensor:
+        """sum_t p_t d_t (u_t - 8) over the values at start..end-1 (the first `skip` of them weightless) ->
+        (B, H, R, D) f32; no offset, no sinks."""
+        B, H, R, n = p.shape
+        D, W = self.head_dim, self.width
+        u = int4_gemm.unpack_pairs(self.data[layer, :, :, :, start:end]).float()  # (B, H, D / W, n, W)
+        u = u.unflatten(-1, (W // 32, 32)).transpose(3, 4).reshape(B, H, D // 32, n, 32)  # (B, H, nb, n, 32) per block
+        pd = p.unsqueeze(2) * self.scale[layer, :, :, :, start:end].unsqueeze(3)  # (B, H, nb, R, n): p_t d_t,b
+        if skip:
+            pd[..., :skip] = 0
+        out = (pd @ u).sub_(pd.sum(-1, keepdim=True), alpha=8)  # (B, H, nb, R, 32)
+        return out.transpose(2, 3).reshape(B, H, R, D)
