@@ -297,14 +297,14 @@ class HadamardQ4Store(RotatedStore):
         B, H, R, D = q.shape
         tw, nb = self.tile, D // 32
         t0, t1 = start // tw, -(-end // tw)
-        nt = t1 - t0
-        u = int4_gemm.unpack_pairs(self.data[layer, :, :, t0:t1]).float()  # (B, H, nt, D, T): tile, element, position
+        n = (t1 - t0) * tw
+        # (B, H, D, n_tiles, T) codes: a tile's low then high nibbles are its positions in order, so the cat lays
+        # every position of the range out in order along the last two dimensions
+        u = int4_gemm.unpack_pairs(self.data[layer, :, :, t0:t1].transpose(2, 3)).float().reshape(B, H, nb, 32, n)
         qb = q.unflatten(-1, (nb, 32)).transpose(2, 3)  # (B, H, nb, R, 32)
-        qu = qb.unsqueeze(2) @ u.view(B, H, nt, nb, 32, tw)  # (B, H, nt, nb, R, T): q_b . u_b
-        qu -= 8 * qb.sum(-1, keepdim=True).unsqueeze(2)
-        d = self.scale[layer, :, :, :, t0 * tw : t1 * tw].unflatten(-1, (nt, 1, tw)).transpose(2, 3)  # (B, H, nt, nb, 1, T)
-        s = (qu * d).sum(3)  # (B, H, nt, R, T)
-        return s.transpose(2, 3).reshape(B, H, R, nt * tw)[..., start - t0 * tw : end - t0 * tw]
+        qu = (qb @ u).sub_(qb.sum(-1, keepdim=True), alpha=8)  # (B, H, nb, R, n): q_b . (u_b - 8)
+        s = (qu * self.scale[layer, :, :, :, t0 * tw : t1 * tw].unsqueeze(3)).sum(2)  # (B, H, R, n)
+        return s[..., start - t0 * tw : end - t0 * tw]
 
     def _code_weighted_sum(self, layer: int, p: torch.Tensor, start: int, end: int, skip: int = 0) -> torch.Tensor:
         """sum_t p_t d_t (u_t - 8) over the values at start..end-1 (the first `skip` of them weightless) ->
