@@ -184,7 +184,8 @@ def test_a_rewind_reads_what_the_ring_no_longer_holds_from_the_store(monkeypatch
 
 @pytest.mark.parametrize("flash", [True, False])
 @pytest.mark.parametrize("types, N", [(("q4_hadamard", "q4_hadamard"), 4), (("q4_0", "q4_0"), 3),
-                                      (("q8_0", "q4_0"), 0), (("q4_hadamard", "q8_0"), 0), (("f16", "q4_0"), 0)],
+                                      (("q8_0", "q4_0"), 0), (("q4_hadamard", "q8_0"), 0), (("f16", "q4_0"), 0),
+                                      (("tq4", "tq4"), 4), (("tq3", "tq3"), 0), (("tq2", "tq3"), 5)],
                          ids=lambda v: "-".join(v) if isinstance(v, tuple) else f"window{v}")
 def test_rows_at_their_own_positions_store_and_attend_as_each_alone(monkeypatch, flash, types, N):
     """The server's slots are rows of one cache (KVCache.rows): a step's decode tokens, one per row at its own
@@ -224,7 +225,9 @@ def test_rows_at_their_own_positions_store_and_attend_as_each_alone(monkeypatch,
         pos = [p + 1 for p in pos]
 
 
-def test_rows_need_both_types_to_give_them():
+def test_rows_need_both_types_to_give_them(monkeypatch):
+    assert all(KVCache.has_rows(t, "q8_0") for t in STORAGE_TYPES)  # every type today
+    monkeypatch.setattr(STORAGE_TYPES["tq3"], "batched", ())  # a type that names no (L, B, ...) tensors
     assert KVCache.has_rows("q8_0", "f16") and not KVCache.has_rows("tq3", "q8_0")
 
 

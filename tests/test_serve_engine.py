@@ -102,12 +102,12 @@ def test_slots_rows_of_one_cache_decode_as_one_batch(llm, monkeypatch, flash):
         torch.testing.assert_close(batched[b], solo[i], rtol=1e-4, atol=1e-4)
 
 
-@pytest.mark.parametrize("flash", [True, False])
-def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flash):
-    """q4_hadamard slots with a 4-position window are rows of one cache too: over 8 steps, four rows at their
-    own positions (one young, inside its window; one rewound to a prefix, as a slot reuses one) decode as one
-    batch, each writing its window to the store at its own steps, and each gives its solo logits and tokens
-    (where its two best logits are further apart than the tolerance).
+@pytest.mark.parametrize("flash, kind", [(True, "q4_hadamard"), (False, "q4_hadamard"), (True, "tq3")])
+def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flash, kind):
+    """q4_hadamard (and tq3) slots with a 4-position window are rows of one cache too: over 8 steps, four rows
+    at their own positions (one young, inside its window; one rewound to a prefix, as a slot reuses one) decode
+    as one batch, each writing its window to the store at its own steps, and each gives its solo logits and
+    tokens (where its two best logits are further apart than the tolerance).
     Not bit for bit: a batched forward rounds differently and a rounding can move a 4-bit code by a step,
     which later steps carry (tests/test_cache_window.py shows equal bytes from equal inputs)."""
     import kvcli.attention
@@ -115,7 +115,7 @@ def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flas
     monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 4)
     monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 1)
     attend = kvcli.attention.Attention(flash=flash)
-    spec = CacheSpec("kv", "q4_hadamard", "q4_hadamard", window=4)
+    spec = CacheSpec("kv", kind, kind, window=4)
     base = make_cache(llm.config, spec, llm.n_ctx, 4, attention=attend)
     rows = [base.rows(i, i + 1) for i in range(4)]
     solo = [make_cache(llm.config, spec, llm.n_ctx, 1, attention=attend) for _ in range(4)]

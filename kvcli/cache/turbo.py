@@ -169,6 +169,7 @@ class TurboStore(RotatedStore):
     default_window: ClassVar[int] = 16
     scale_grid: ClassVar[tuple[float, ...]] = SCALE_GRID
     signed: ClassVar[bool] = False  # the scale's sign follows each block's largest element (for asymmetric L)
+    batched = ("data", "scale", "sink", "offset")
 
     def __init_subclass__(cls, **kwargs):
         super().__init_subclass__(**kwargs)
@@ -187,10 +188,7 @@ class TurboStore(RotatedStore):
                  else (D // self.width, self.n_pad // GROUP, 16 * b, self.width // 2))
         self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
         self.scale = lazy_zeros((L, B, H, D // self.block_size, self.n_pad), torch.bfloat16, self.device)
-        # per-layer views and read-side forms, made once: decode runs a few dozen small ops per layer and token
-        self._data, self._scales = self.data.unbind(0), self.scale.unbind(0)
-        self._k_offsets = self.offset.permute(0, 1, 3, 4, 2).unbind(0)  # (B, H, D, 1) views, for q . c
-        self._v_offsets = self.offset.transpose(2, 3).unbind(0)  # (B, H, 1, D) views
+        self._layer_views()
         self._prepared = [0] * L  # prepare() calls per layer: the pair offsets below are of one generation
         self._pair_offsets: dict[int, tuple[tuple[int, int], torch.Tensor]] = {}
         self.lv = torch.tensor(self.levels, device=self.device)
@@ -203,7 +201,22 @@ class TurboStore(RotatedStore):
         self.zero = (1 << (self.bits - 1)) - self.mid  # 0 (tread) or 1/2 (mid-rise): exact in bf16
         self._columns: dict[tuple, tuple] = {}  # _image's matrices
         self._units: dict[tuple[int, int, bool], torch.Tensor] = {}  # _unit_scales's, made on first use
-        self._x: torch.Tensor | None = None  # _scratch's buffer
+        self._buffer: dict[str, torch.Tensor] = {}  # _scratch's, shared with `rows` views
+
+    def _layer_views(self) -> None:
+        """Per-layer views and read-side forms, made once (and once per `rows` view): decode runs a few dozen
+        small ops per layer and token."""
+        self._data, self._scales = self.data.unbind(0), self.scale.unbind(0)
+        self._k_offsets = self.offset.permute(0, 1, 3, 4, 2).unbind(0)  # (B, H, D, 1) views, for q . c
+        self._v_offsets = self.offset.transpose(2, 3).unbind(0)  # (B, H, 1, D) views
+
+    def rows(self, start: int, stop: int) -> "TurboStore":
+        """Store.rows, with the per-layer views of those rows and pair offsets of their own (a view's are
+        of its rows only)."""
+        view = super().rows(start, stop)
+        view._layer_views()
+        view._pair_offsets = {}
+        return view
 
     @classmethod
     def nbytes_for(cls, n_layers: int, batch: int, kv_dim: int, n_ctx: int) -> int:
@@ -408,9 +421,10 @@ class TurboStore(RotatedStore):
     def _scratch(self, numel: int, device) -> torch.Tensor:
         """A bf16 buffer of at least numel elements, kept between calls: the value GEMM's x, rewritten in
         full every call (no allocation per layer and token)."""
-        if self._x is None or self._x.numel() < numel:
-            self._x = torch.empty(numel, dtype=torch.bfloat16, device=device)
-        return self._x[:numel]
+        x = self._buffer.get("x")
+        if x is None or x.numel() < numel:
+            x = self._buffer["x"] = torch.empty(numel, dtype=torch.bfloat16, device=device)
+        return x[:numel]
 
     def gemm(self, x: torch.Tensor) -> bool:
         """Decode products through the int4 GEMM? A uniform codebook, a few query rows on the CPU, the tile

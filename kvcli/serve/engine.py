@@ -2,8 +2,8 @@
 
 Each of the -np slots owns a one-sequence cache of c / np cells, built as the Llama's own (which is
 slot 0's), so every cache type, the window, the hidden-state cache and the kernels work unchanged;
-K/V types that give `rows` views (the dense and block types, q4_hadamard: `KVCache.has_rows`) make the
-slots rows of one cache instead (`slot_caches`), so that a step's decode tokens attend as one batch.
+K/V types that give `rows` views (every K/V type today: `KVCache.has_rows`) make the slots rows of one
+cache instead (`slot_caches`), so that a step's decode tokens attend as one batch.
 One step (llama-server's update_slots) is one forward (Transformer.forward_slots): a token for every
 decoding slot, then prompt chunks of the slots being prefilled, up to -b tokens in all, each segment
 at its own positions, so the weights are read once a step however many slots take part. A new
@@ -112,8 +112,8 @@ class Slot:
 def slot_caches(llm, n_slots: int) -> list:
     """One one-sequence cache per slot. K/V types with `rows` views (KVCache.has_rows): the rows of one
     n_slots-sequence cache, which replaces the Llama's own, so a step's decode tokens attend as one batch;
-    other types and the hidden-state cache: the Llama's cache (slot 0's) and n_slots - 1 more like it, each
-    attending alone."""
+    the hidden-state cache (and a type without them): the Llama's cache (slot 0's) and n_slots - 1 more like
+    it, each attending alone."""
     spec = llm.cache_spec
     if n_slots > 1 and spec.mode == "kv" and KVCache.has_rows(spec.type_k, spec.type_v):
         llm.cache = None  # freed before the slots' cache is made: never both at once
