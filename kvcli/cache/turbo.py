@@ -159,6 +159,9 @@ def search_scales(y: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, un
     return d.gather(0, best)[0], u.gather(0, best.expand(1, *u.shape[1:]))[0].to(torch.uint8)
 
 
+_LAYER_VIEWS = ("_data", "_scales", "_k_offsets", "_v_offsets")  # TurboStore._layer_views's attributes
+
+
 class TurboStore(RotatedStore):
     """Rotated, offset vectors as b-bit codes (see the module's docstring); subclasses set name, bits,
     block_size, block_bytes and levels."""
@@ -210,11 +213,20 @@ class TurboStore(RotatedStore):
         self._k_offsets = self.offset.permute(0, 1, 3, 4, 2).unbind(0)  # (B, H, D, 1) views, for q . c
         self._v_offsets = self.offset.transpose(2, 3).unbind(0)  # (B, H, 1, D) views
 
+    def __getattr__(self, name: str):
+        """A `rows` view makes its per-layer views on first use: a view that only writes a window (T > 1) never
+        reads them, and making them costs about as much as the rest of the view."""
+        if name in _LAYER_VIEWS:
+            self._layer_views()
+            return self.__dict__[name]
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
     def rows(self, start: int, stop: int) -> "TurboStore":
-        """Store.rows, with the per-layer views of those rows and pair offsets of their own (a view's are
-        of its rows only)."""
+        """Store.rows, with pair offsets of its own and per-layer views of its rows, made on first use (a view's
+        are of its rows only)."""
         view = super().rows(start, stop)
-        view._layer_views()
+        for name in _LAYER_VIEWS:
+            view.__dict__.pop(name, None)
         view._pair_offsets = {}
         return view
 
