@@ -60,14 +60,34 @@ def main():
     print(f"q/k/v int4: fused {best_us(lambda: fused.matmul(x), 50):.0f} us, "
           f"separate {best_us(lambda: [p.matmul(x) for p in parts], 50):.0f} us")
 
-    # Q8_0 head options: per-block int8 GEMV (kept), one int8 GEMV at per-row scale (inexact, a floor)
+    # Q8_0 head options, 1 and 4 rows: the kept form (the codes as two int4 halves, one int4 call per
+    # Int8.CHUNK columns), the same halves in one call over all of K (its bf16 output ties top logits),
+    # the per-block int8 GEMV (one call per 32 columns with that block's scales: the form before stop 28),
+    # one int8 call at per-row scales (inexact, a floor)
     N, K = SHAPES["head"]
     q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    d = (torch.rand(N, K // 32, generator=g) * 0.01).half()
+    head = Int8.from_codes(q, d)
+    u = q.view(torch.uint8) ^ 128
+    df = d.float()
+    one_call = Int4.from_codes(torch.cat([u >> 4, u & 15], 1), torch.cat([16 * df, df], 1),
+                               torch.cat([8 * df, torch.zeros_like(df)], 1))
+    qb = q.view(N, K // 32, 32).transpose(0, 1).contiguous()  # (K / 32, N, 32)
+    db = d.T.bfloat16().contiguous()
     ones = torch.ones(N, dtype=torch.bfloat16)
-    xb = x.bfloat16()
-    print(f"head int8, one call at per-row scales (not exact, a floor): "
-          f"{best_us(lambda: torch.ops.aten._weight_int8pack_mm(xb, q, ones), 5):.0f} us; "
-          f"f32 activations: {best_us(lambda: torch.ops.aten._weight_int8pack_mm(x, q, ones.float()), 5):.0f} us")
+
+    def per_block(xb):
+        out = torch.ops.aten._weight_int8pack_mm(xb[0], qb[0], db[0]).float()
+        for b in range(1, K // 32):
+            out += torch.ops.aten._weight_int8pack_mm(xb[b], qb[b], db[b])
+        return out
+
+    print("head (49152 x 576, Q8_0), us:   1 row   4 rows")
+    for name, f in (("int4 halves, a call per chunk (kept)", lambda x: head.matmul(x)),
+                    ("int4 halves, one call", lambda x: one_call.matmul(torch.cat([x, x], -1))),
+                    ("int8 GEMV per block", lambda x: per_block(x.bfloat16().view(-1, K // 32, 32).transpose(0, 1).contiguous())),
+                    ("int8, one call, per-row scales (floor)", lambda x: torch.ops.aten._weight_int8pack_mm(x.bfloat16(), q, ones))):
+        print(f"  {name:40} " + " ".join(f"{best_us(lambda: f(torch.randn(m, K, generator=g)), 5):7.0f}" for m in (1, 4)))
 
     rounding(default_model_path(), "Q4_1", g)
     rounding(args.q4k, "Q4_K", g)

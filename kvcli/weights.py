@@ -124,7 +124,7 @@ class Int4:
         if pad:
             codes = torch.cat([codes, codes.new_full((pad, K), 8)])
             scale, zero = F.pad(scale, (0, 0, 0, pad)), F.pad(zero, (0, 0, 0, pad))
-        packed = pack_pairs(codes.view(-1, T, K).transpose(1, 2)).reshape(N + pad, K // 2)  # (N_pad / T, K, T / 2)
+        packed = pack_pairs(codes.view(-1, T, K).transpose(1, 2)).reshape(N + pad, K // 2).contiguous()  # (N_pad / T, K, T / 2)
         sz = torch.stack([scale.T, zero.T], -1).bfloat16().contiguous()  # (K / 32, N_pad, 2)
         return cls(packed, sz, N)
 
@@ -181,13 +181,17 @@ class Int4:
         """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32, only those unpacked (a
         Q4_K_M file's token embedding is Q4_K): row r lies in tile r // T, byte column (r % T) % (T / 2),
         the high nibble for the tile's second half."""
+        c = self.row_codes(ids)
+        sz = self.sz[:, ids].movedim(0, -2).float()  # (*ids.shape, K / 32, 2)
+        return ((c.unflatten(-1, (-1, GROUP)).float() - 8) * sz[..., :1] + sz[..., 1:]).flatten(-2)
+
+    def row_codes(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (an index tensor) -> their codes (*ids.shape, K) uint8 0..15."""
         T = tile_width()
         K = self.shape[1]
         j = ids % T
         b = self.packed.view(-1, K, T // 2)[ids // T, :, j % (T // 2)]  # (*ids.shape, K) bytes
-        c = (b >> (4 * (j >= T // 2)).to(torch.uint8)[..., None]) & 15
-        sz = self.sz[:, ids].movedim(0, -2).float()  # (*ids.shape, K / 32, 2)
-        return ((c.unflatten(-1, (-1, GROUP)).float() - 8) * sz[..., :1] + sz[..., 1:]).flatten(-2)
+        return (b >> (4 * (j >= T // 2)).to(torch.uint8)[..., None]) & 15
 
     def narrow(self, start: int, n: int):
         T = tile_width()
@@ -198,54 +202,85 @@ class Int4:
 
 
 class Int8:
-    """W (N, K) = d * q per 32 columns, q int8 codes and d Q8_0's f16 block scales.
+    """W (N, K) = d q per 32 columns, q int8 codes and d Q8_0's f16 block scales.
 
-    qb (K / 32, N, 32) int8: each block's codes contiguous, as torch's int8 weight-only GEMV takes
-    them; d (N, K / 32) f16 (exact rows and dequantize); db (K / 32, N) bf16 (the GEMV's scales).
-    A decode product runs that GEMV once per block with the block's scales (its scales are per
-    row only) and sums, in bf16 with f32 sums; the alternatives measured: benchmarks/README.md."""
+    The codes are kept split in two 4-bit halves, q + 128 = 16 h + l, as int4 forms (torch's CPU int4
+    GEMV has a fast kernel for bf16 activations; its int8 one takes per-row scales only, so it took one
+    call per block): `parts[c]` (N, 2 CHUNK) holds columns CHUNK c.. of h with scale 16 d and zero point
+    8 d, then the same columns of l with scale d, so that (h - 8) 16 d + 8 d + (l - 8) d = d q and a
+    chunk's product is [x_c, x_c] @ parts[c].T. The GEMV rounds its output to bf16: one call per chunk,
+    the partial products summed in f32, keeps the logits off bf16's grid (one call over all of K ties
+    the top logits of a head; benchmarks/README.md). Scales are bf16, as Int4's; d (N, K / 32) f16 is
+    kept for exact rows and dequantize (the token embedding, prefill batches)."""
 
     kind = "int8"
     name = "int8"
+    CHUNK = 64  # columns of K per call
 
-    def __init__(self, qb: torch.Tensor, d: torch.Tensor):
-        self.qb, self.d = qb, d
-        self.db = d.T.bfloat16().contiguous()
+    def __init__(self, parts: list[Int4], d: torch.Tensor):
+        self.parts, self.d = parts, d
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, d: torch.Tensor) -> Int8:
         """q (N, K) int8, d (N, K / 32) f16."""
-        N, K = q.shape
-        return cls(q.view(N, K // GROUP, GROUP).transpose(0, 1).contiguous(), d.half())
+        u = q.view(torch.uint8) ^ 128  # q + 128
+        df = d.float()
+        parts = []
+        for s in range(0, q.shape[1], cls.CHUNK):
+            uc, dc = u[:, s : s + cls.CHUNK], df[:, s // GROUP : (s + cls.CHUNK) // GROUP]
+            parts.append(Int4.from_codes(torch.cat([uc >> 4, uc & 15], 1), torch.cat([16 * dc, dc], 1),
+                                         torch.cat([8 * dc, torch.zeros_like(dc)], 1)))
+        return cls(parts, d.half())
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.qb.shape[1], self.qb.shape[0] * GROUP
+        return self.d.shape[0], self.d.shape[1] * GROUP
 
     @property
     def nbytes(self) -> int:
-        return self.qb.numel() + 2 * self.d.numel() + 2 * self.db.numel()
+        return sum(p.nbytes for p in self.parts) + 2 * self.d.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        nb, N, _ = self.qb.shape
+        N, K = self.shape
         if _rows(x) > UPCAST_ROWS:  # f32 GEMM over slabs of rows: never an f32 copy of a whole head (113 MB)
-            return torch.cat([F.linear(x, self.rows(slice(s, s + SLAB_ROWS))) for s in range(0, N, SLAB_ROWS)], -1)
-        xb = x.reshape(-1, nb, GROUP).bfloat16().transpose(0, 1).contiguous()  # (K / 32, M, 32)
-        out = torch.ops.aten._weight_int8pack_mm(xb[0], self.qb[0], self.db[0]).float()
-        for b in range(1, nb):
-            out += torch.ops.aten._weight_int8pack_mm(xb[b], self.qb[b], self.db[b])
+            return torch.cat([F.linear(x, self._slab(s, min(s + SLAB_ROWS, N))) for s in range(0, N, SLAB_ROWS)], -1)
+        xb = x.reshape(-1, K).bfloat16()
+        out = None
+        for s, p in zip(range(0, K, self.CHUNK), self.parts):
+            xc = xb[:, s : s + self.CHUNK]
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.cat([xc, xc], 1), p.packed, GROUP, p.sz)
+            out = y.float() if out is None else out.add_(y)
+        if out.shape[1] != N:  # padding rows of the last tile
+            out = out[:, :N]
         return out.view(*x.shape[:-1], N)
+
+    def _q(self, codes: list[torch.Tensor]) -> torch.Tensor:
+        """Each part's codes (..., 2 chunk) -> q (..., K / 32, 32) f32."""
+        q = torch.cat([c[..., : c.shape[-1] // 2].to(torch.int16) * 16 + c[..., c.shape[-1] // 2 :] - 128
+                       for c in codes], -1)
+        return q.unflatten(-1, (-1, GROUP)).float()
+
+    def _slab(self, start: int, stop: int) -> torch.Tensor:
+        """Rows start..stop-1 (start on a tile) -> (stop - start, K) f32."""
+        T = tile_width()
+        end = min(stop + (-stop % T), self.parts[0].packed.shape[0])
+        q = self._q([Int4(p.packed[start:end], p.sz, end - start).codes()[: stop - start] for p in self.parts])
+        return (q * self.d[start:stop].float()[..., None]).flatten(-2)
 
     def rows(self, ids) -> torch.Tensor:
         """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32: only those rows are dequantized."""
-        q = self.qb[:, ids].movedim(0, -2)  # (..., K / 32, 32)
-        return (q.float() * self.d[ids].float()[..., None]).flatten(-2)
+        ids = torch.as_tensor(ids)
+        q = self._q([p.row_codes(ids) for p in self.parts])
+        return (q * self.d[ids].float()[..., None]).flatten(-2)
 
     def dequantize(self) -> torch.Tensor:
-        return self.rows(slice(None))
+        return self._slab(0, self.shape[0])
 
-    def narrow(self, start: int, n: int) -> Int8:
-        return Int8(self.qb[:, start : start + n], self.d[start : start + n])
+    def narrow(self, start: int, n: int):
+        parts = [p.narrow(start, n) for p in self.parts]
+        if all(isinstance(p, Int4) for p in parts):
+            return Int8(parts, self.d[start : start + n])
+        return Rows(self, start, n)
 
 
 class Blocks:
@@ -374,7 +409,9 @@ def cat(forms: list):
     if kinds == {Dense} and len({f.w.dtype for f in forms}) == 1:
         return Dense(torch.cat([f.w for f in forms]))
     if kinds == {Int8}:
-        return Int8(torch.cat([f.qb for f in forms], 1), torch.cat([f.d for f in forms]))
+        parts = [cat(ps) for ps in zip(*[f.parts for f in forms])]
+        if all(isinstance(p, Int4) for p in parts):
+            return Int8(parts, torch.cat([f.d for f in forms]))
     if kinds == {Blocks} and len({(f.bits, f.min is None, f.dtype) for f in forms}) == 1:
         join = lambda ts: None if ts[0] is None else torch.cat(ts)
         return Blocks(join([f.codes for f in forms]), join([f.scale for f in forms]), join([f.min for f in forms]),
@@ -410,8 +447,8 @@ def resident_bytes(form: str, n: int, k: int) -> int:
     if form == "int4":
         n_pad = n + (-n % (tile_width() or 1))
         return n_pad * k // 2 + n_pad * (k // GROUP) * 4
-    if form == "int8":
-        return n * k + n * (k // GROUP) * 4
+    if form == "int8":  # int4 forms of (n, 2k) in all and the f16 scales
+        return resident_bytes("int4", n, 2 * k) + n * (k // GROUP) * 2
     if form == "int4_cuda":  # codes, f16 scale and min
         return n * k // 2 + n * (k // GROUP) * 4
     if form == "int8_cuda":  # codes, f16 scale
@@ -521,8 +558,10 @@ def load(tensor, form: str, dtype: str = "f32"):
         codes = torch.from_numpy(np.concatenate([qs & 15, qs >> 4], -1).reshape(len(qs), -1))  # (N, K) 0..15
         return Int4.from_codes(codes, d, torch.zeros_like(d) if m is None else m + 8 * d)
     if form == "int8":
-        qb = np.ascontiguousarray(b["qs"].transpose(1, 0, 2))  # (K / 32, N, 32): one copy, straight from the map
-        return Int8(torch.from_numpy(qb), d.half())
+        # a slab of rows at a time (the split halves take 2 bytes a weight); SLAB_ROWS is whole tiles,
+        # so the slabs join in place
+        return cat([Int8.from_codes(torch.from_numpy(np.ascontiguousarray(b["qs"][s : s + SLAB_ROWS])).flatten(1),
+                                    d[s : s + SLAB_ROWS]) for s in range(0, len(b), SLAB_ROWS)])
     n, k = (int(np.prod([int(s) for s in tensor.shape[1:]])), int(tensor.shape[0]))
     w = torch.empty(n, k, dtype=_DENSE[form])
     for s in range(0, n, SLAB_ROWS):  # a slab of rows in f32 at a time: peak = the result plus one slab

@@ -137,12 +137,13 @@ def test_int8_product_and_rows(N, K):
 
 @needs_int4
 def test_cat_and_narrow_keep_products():
-    parts = [Int4.from_codes(*adversarial_blocks(n, 64, seed=n)) for n in (64, 32, 40)]
+    T = tile_width()  # 32 (AVX2) or 64 (AVX-512): parts of whole tiles but the last
+    parts = [Int4.from_codes(*adversarial_blocks(n, 64, seed=n)) for n in (2 * T, T, T + 8)]
     whole = cat(parts)
     ref = torch.cat([p.dequantize() for p in parts])
     assert isinstance(whole, Int4)  # joined in place: one product
     _check(whole, ref, rows=(1,))
-    for start, n in ((64, 72), (0, 64), (32, 40), (70, 10)):  # tile-aligned views and a split tile
+    for start, n in ((2 * T, 2 * T + 8), (0, 2 * T), (T, T + 8), (2 * T + 6, 10)):  # tile-aligned views, a split tile
         _check(whole.narrow(start, n), ref[start : start + n], rows=(1,))
     dense = cat([Dense(torch.randn(8, 32)), Dense(torch.randn(4, 32))])
     assert torch.equal(dense.narrow(8, 4).w, dense.w[8:])
