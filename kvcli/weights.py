@@ -31,8 +31,14 @@ from kvcli.cache.int4_gemm import GROUP, pack_pairs, tile_width, unpack_pairs
 # Rows above which a product dequantizes to f32 and runs a GEMM: a CPU multiplies one row by
 # f16 or packed codes fast (GEMV), a prefill batch faster as an f32 GEMM, conversion included.
 UPCAST_ROWS = 32
-# The same for Int4, whose kernel stays ahead longer: measured break-even (benchmarks/README.md).
-INT4_GEMV_ROWS = 96
+# The same for Int4, whose kernel stays ahead longer, by its tile width (32: AVX2, 64: AVX-512, whose
+# kernel runs about 4x faster): measured break-evens (benchmarks/README.md).
+INT4_GEMV_ROWS = {32: 96, 64: 256}
+
+
+def int4_gemv_rows() -> int:
+    return INT4_GEMV_ROWS.get(tile_width(), 96)
+
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
 _DENSE = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -137,7 +143,7 @@ class Int4:
         return self.packed.numel() + 2 * self.sz.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if _rows(x) > INT4_GEMV_ROWS:  # f32 GEMMs over slabs of W dequantized, W.T's layout (a GEMM takes it as is)
+        if _rows(x) > int4_gemv_rows():  # f32 GEMMs over slabs of W dequantized, W.T's layout (a GEMM takes it as is)
             Np, K = self.packed.shape[0], self.shape[1]
             step = max(tile_width(), SLAB_ELEMS // K // tile_width() * tile_width())
             parts = [x @ self._slab_t(s, min(s + step, Np)) for s in range(0, Np, step)]

@@ -106,18 +106,18 @@ def test_int4_product_equals_dequantized(N, K):
 @needs_int4
 @pytest.mark.parametrize("N", [200, 6 * 64])  # padded to whole tiles, and whole tiles
 def test_int4_batch_product_in_slabs_is_the_dequantized_gemm(N, monkeypatch):
-    """A batch above INT4_GEMV_ROWS multiplies W dequantized slab by slab into a reused buffer: the same
+    """A batch above int4_gemv_rows() multiplies W dequantized slab by slab into a reused buffer: the same
     values as dequantize(), so the same GEMM, whatever the slab size; batched x (B, T, K) too."""
     import kvcli.weights as weights
 
     K = 96
     form = Int4.from_codes(*adversarial_blocks(N, K, seed=3))
-    x = torch.randn(2, weights.INT4_GEMV_ROWS, K, generator=torch.Generator().manual_seed(0))
+    x = torch.randn(2, weights.int4_gemv_rows(), K, generator=torch.Generator().manual_seed(0))
     ref = x @ form.dequantize().T
     for elems in (weights.SLAB_ELEMS, 2 * tile_width() * K):  # one slab; two tiles a slab
         monkeypatch.setattr(weights, "SLAB_ELEMS", elems)
         y = form.matmul(x)
-        assert y.shape == (2, weights.INT4_GEMV_ROWS, N) and y.is_contiguous()
+        assert y.shape == (2, weights.int4_gemv_rows(), N) and y.is_contiguous()
         assert torch.allclose(y, ref, rtol=1e-5, atol=1e-6 * float(ref.abs().max()))
 
 
@@ -227,7 +227,7 @@ def test_tiny_quantized_model_native_equals_f32(tmp_path, qtype, tied):
     exact = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32", weights="f32")
     kinds = {f.kind for f in native.model.forms().values()}
     assert kinds == {"int8" if qtype.name == "Q8_0" else "int4"} or tile_width() is None
-    ids = list(range(5, 45))  # 40 tokens: one prefill batch (packed products: under INT4_GEMV_ROWS) and decode below
+    ids = list(range(5, 45))  # 40 tokens: one prefill batch (packed products: under int4_gemv_rows()) and decode below
     a, b = native.logits(ids), exact.logits(ids)
     assert (a - b).abs().max().item() <= LOGIT_BOUND
     prompt = [7, 100, 33]
