@@ -224,7 +224,12 @@ class Int8:
     CHUNK = 64  # columns of K per call
 
     def __init__(self, parts: list[Int4], d: torch.Tensor):
-        self.parts, self.d = parts, d
+        self.d = d
+        self.packed = None  # (parts, N_pad, CHUNK) uint8: every part's tiles, where all parts are one size
+        if len({p.packed.shape for p in parts}) == 1:  # one tensor, the parts views of it: rows() reads all at once
+            self.packed = torch.stack([p.packed for p in parts])
+            parts = [Int4(packed, p.sz, p.n) for packed, p in zip(self.packed, parts)]
+        self.parts = parts
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, d: torch.Tensor) -> Int8:
@@ -244,7 +249,7 @@ class Int8:
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts) + 2 * self.d.numel()
+        return sum(p.nbytes for p in self.parts) + 2 * self.d.numel()  # the parts view self.packed where it is set
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         N, K = self.shape
@@ -276,7 +281,15 @@ class Int8:
     def rows(self, ids) -> torch.Tensor:
         """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32: only those rows are dequantized."""
         ids = torch.as_tensor(ids)
-        q = self._q([p.row_codes(ids) for p in self.parts])
+        if self.packed is None:
+            q = self._q([p.row_codes(ids) for p in self.parts])
+        else:  # Int4.row_codes over every part in one pass: (*ids.shape, parts, 2 CHUNK) codes
+            P, _, half = self.packed.shape
+            T = tile_width()
+            j = ids % T
+            b = self.packed.view(P, -1, 2 * half, T // 2)[:, ids // T, :, j % (T // 2)]  # (*ids.shape, P, 2 CHUNK)
+            c = (b >> (4 * (j >= T // 2)).to(torch.uint8)[..., None, None]) & 15
+            q = (c[..., :half].to(torch.int16) * 16 + c[..., half:] - 128).view(*ids.shape, -1, GROUP).float()
         return (q * self.d[ids].float()[..., None]).flatten(-2)
 
     def dequantize(self) -> torch.Tensor:
