@@ -145,7 +145,8 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     if torch.is_tensor(pos) and recent is not None:  # one query per sequence, each at its own position
         first, last, lim = recent.start, recent.high, recent.lim  # lim per sequence, (B, 1, 1, 1)
     elif torch.is_tensor(pos):
-        first, last = (f(pos.tolist()) + 1 for f in (min, max))
+        at = pos.tolist()
+        first, last = min(at) + 1, max(at) + 1
         lim = (pos + 1).view(B, 1, 1, 1)
     elif recent is None:
         first, last = pos + 1, pos + T

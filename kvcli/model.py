@@ -216,7 +216,7 @@ class _Slots:
         out = []
         for c, p, a, n in self.runs:
             if torch.is_tensor(p):  # n sequences, a token each: (n, 1, ...) views
-                rows = [t[0, a : a + n, None] for t in (q, k, v, x)]
+                rows = [t.transpose(0, 1) if n == t.shape[1] else t[0, a : a + n, None] for t in (q, k, v, x)]
                 out.append(c.attention(layer, *rows, p).view(1, n, -1))
             else:
                 out.append(c.attention(layer, q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], x[:, a : a + n], p))
