@@ -61,7 +61,7 @@ def main():
           f"separate {best_us(lambda: [p.matmul(x) for p in parts], 50):.0f} us")
 
     # Q8_0 head options, 1 and 4 rows: the kept form (the codes as two int4 halves, one int4 call per
-    # Int8.CHUNK columns), the same halves in one call over all of K (its bf16 output ties top logits),
+    # 64 columns, Int8.chunk), the same halves in one call over all of K (its bf16 output ties top logits),
     # the per-block int8 GEMV (one call per 32 columns with that block's scales: the form before stop 28),
     # one int8 call at per-row scales (inexact, a floor)
     N, K = SHAPES["head"]

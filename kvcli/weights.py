@@ -212,94 +212,95 @@ class Int8:
 
     The codes are kept split in two 4-bit halves, q + 128 = 16 h + l, as int4 forms (torch's CPU int4
     GEMV has a fast kernel for bf16 activations; its int8 one takes per-row scales only, so it took one
-    call per block): `parts[c]` (N, 2 CHUNK) holds columns CHUNK c.. of h with scale 16 d and zero point
-    8 d, then the same columns of l with scale d, so that (h - 8) 16 d + 8 d + (l - 8) d = d q and a
-    chunk's product is [x_c, x_c] @ parts[c].T. The GEMV rounds its output to bf16: one call per chunk,
-    the partial products summed in f32, keeps the logits off bf16's grid (one call over all of K ties
-    the top logits of a head; benchmarks/README.md). Scales are bf16, as Int4's; d (N, K / 32) f16 is
-    kept for exact rows and dequantize (the token embedding, prefill batches)."""
+    call per block): part c (N, 2 C) holds columns C c..C c + C - 1 of h with scale 16 d and zero point
+    8 d, then the same columns of l with scale d, so that (h - 8) 16 d + 8 d + (l - 8) d = d q and the
+    part's product is [x_c, x_c] @ part.T. The GEMV rounds its output to bf16: one call per part, the
+    partial products summed in f32, keeps the logits off bf16's grid (one call over all of K ties the top
+    logits of a head; benchmarks/README.md).
+    packed (P, N_pad, C) uint8 and sz (P, 2 C / 32, N_pad, 2) bf16: the P = K / C parts' Int4 tiles and
+    scales, one tensor each (a row's codes come out of every part in one pass); d (N, K / 32) f16 is kept
+    for exact rows and dequantize (the token embedding, prefill batches)."""
 
     kind = "int8"
     name = "int8"
-    CHUNK = 64  # columns of K per call
 
-    def __init__(self, parts: list[Int4], d: torch.Tensor):
-        self.d = d
-        self.packed = None  # (parts, N_pad, CHUNK) uint8: every part's tiles, where all parts are one size
-        if len({p.packed.shape for p in parts}) == 1:  # one tensor, the parts views of it: rows() reads all at once
-            self.packed = torch.stack([p.packed for p in parts])
-            parts = [Int4(packed, p.sz, p.n) for packed, p in zip(self.packed, parts)]
-        self.parts = parts
+    def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int, d: torch.Tensor):
+        self.packed, self.sz, self.n, self.d = packed, sz, n, d
+        self.parts = [Int4(p, z, n) for p, z in zip(packed, sz)]  # views
+
+    @staticmethod
+    def chunk(k: int) -> int:
+        """C, the columns of K per part: 64 where they divide K, else one block."""
+        return 64 if k % 64 == 0 else GROUP
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, d: torch.Tensor) -> Int8:
         """q (N, K) int8, d (N, K / 32) f16."""
+        C = cls.chunk(q.shape[1])
         u = q.view(torch.uint8) ^ 128  # q + 128
         df = d.float()
         parts = []
-        for s in range(0, q.shape[1], cls.CHUNK):
-            uc, dc = u[:, s : s + cls.CHUNK], df[:, s // GROUP : (s + cls.CHUNK) // GROUP]
+        for s in range(0, q.shape[1], C):
+            uc, dc = u[:, s : s + C], df[:, s // GROUP : (s + C) // GROUP]
             parts.append(Int4.from_codes(torch.cat([uc >> 4, uc & 15], 1), torch.cat([16 * dc, dc], 1),
                                          torch.cat([8 * dc, torch.zeros_like(dc)], 1)))
-        return cls(parts, d.half())
+        return cls(torch.stack([p.packed for p in parts]), torch.stack([p.sz for p in parts]), q.shape[0], d.half())
 
     @property
     def shape(self) -> tuple[int, int]:
-        return self.d.shape[0], self.d.shape[1] * GROUP
+        return self.n, self.d.shape[1] * GROUP
 
     @property
     def nbytes(self) -> int:
-        return sum(p.nbytes for p in self.parts) + 2 * self.d.numel()  # the parts view self.packed where it is set
+        return self.packed.numel() + 2 * self.sz.numel() + 2 * self.d.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         N, K = self.shape
         if _rows(x) > UPCAST_ROWS:  # f32 GEMM over slabs of rows: never an f32 copy of a whole head (113 MB)
             return torch.cat([F.linear(x, self._slab(s, min(s + SLAB_ROWS, N))) for s in range(0, N, SLAB_ROWS)], -1)
         xb = x.reshape(-1, K).bfloat16()
+        C = self.packed.shape[2]
         out = None
-        for s, p in zip(range(0, K, self.CHUNK), self.parts):
-            xc = xb[:, s : s + self.CHUNK]
+        for s, p in zip(range(0, K, C), self.parts):
+            xc = xb[:, s : s + C]
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.cat([xc, xc], 1), p.packed, GROUP, p.sz)
             out = y.float() if out is None else out.add_(y)
         if out.shape[1] != N:  # padding rows of the last tile
             out = out[:, :N]
         return out.view(*x.shape[:-1], N)
 
-    def _q(self, codes: list[torch.Tensor]) -> torch.Tensor:
-        """Each part's codes (..., 2 chunk) -> q (..., K / 32, 32) f32."""
-        q = torch.cat([c[..., : c.shape[-1] // 2].to(torch.int16) * 16 + c[..., c.shape[-1] // 2 :] - 128
-                       for c in codes], -1)
-        return q.unflatten(-1, (-1, GROUP)).float()
+    def _q(self, c: torch.Tensor) -> torch.Tensor:
+        """Codes (..., P, 2 C) of every part -> q (..., K / 32, 32) f32."""
+        C = c.shape[-1] // 2
+        return (c[..., :C].to(torch.int16) * 16 + c[..., C:] - 128).flatten(-2).unflatten(-1, (-1, GROUP)).float()
 
     def _slab(self, start: int, stop: int) -> torch.Tensor:
         """Rows start..stop-1 (start on a tile) -> (stop - start, K) f32."""
-        T = tile_width()
-        end = min(stop + (-stop % T), self.parts[0].packed.shape[0])
-        q = self._q([Int4(p.packed[start:end], p.sz, end - start).codes()[: stop - start] for p in self.parts])
-        return (q * self.d[start:stop].float()[..., None]).flatten(-2)
+        end = min(stop + (-stop % tile_width()), self.packed.shape[1])
+        c = torch.stack([Int4(p, z, end - start).codes()[: stop - start]
+                         for p, z in zip(self.packed[:, start:end], self.sz)], 1)  # (n, P, 2 C)
+        return (self._q(c) * self.d[start:stop].float()[..., None]).flatten(-2)
 
     def rows(self, ids) -> torch.Tensor:
-        """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32: only those rows are dequantized."""
+        """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32: only those rows are dequantized
+        (Int4.row_codes over every part in one pass)."""
         ids = torch.as_tensor(ids)
-        if self.packed is None:
-            q = self._q([p.row_codes(ids) for p in self.parts])
-        else:  # Int4.row_codes over every part in one pass: (*ids.shape, parts, 2 CHUNK) codes
-            P, _, half = self.packed.shape
-            T = tile_width()
-            j = ids % T
-            b = self.packed.view(P, -1, 2 * half, T // 2)[:, ids // T, :, j % (T // 2)]  # (*ids.shape, P, 2 CHUNK)
-            c = (b >> (4 * (j >= T // 2)).to(torch.uint8)[..., None, None]) & 15
-            q = (c[..., :half].to(torch.int16) * 16 + c[..., half:] - 128).view(*ids.shape, -1, GROUP).float()
-        return (q * self.d[ids].float()[..., None]).flatten(-2)
+        P, _, C = self.packed.shape
+        T = tile_width()
+        j = ids % T
+        b = self.packed.view(P, -1, 2 * C, T // 2)[:, ids // T, :, j % (T // 2)]  # (*ids.shape, P, 2 C) bytes
+        c = (b >> (4 * (j >= T // 2)).to(torch.uint8)[..., None, None]) & 15
+        return (self._q(c) * self.d[ids].float()[..., None]).flatten(-2)
 
     def dequantize(self) -> torch.Tensor:
-        return self._slab(0, self.shape[0])
+        return self._slab(0, self.n)
 
     def narrow(self, start: int, n: int):
-        parts = [p.narrow(start, n) for p in self.parts]
-        if all(isinstance(p, Int4) for p in parts):
-            return Int8(parts, self.d[start : start + n])
-        return Rows(self, start, n)
+        T = tile_width()
+        if start % T or (n % T and start + n != self.n):
+            return Rows(self, start, n)
+        end = start + n + (-n % T)
+        return Int8(self.packed[:, start:end], self.sz[:, :, start:end].contiguous(), n, self.d[start : start + n])
 
 
 class Blocks:
@@ -428,9 +429,9 @@ def cat(forms: list):
     if kinds == {Dense} and len({f.w.dtype for f in forms}) == 1:
         return Dense(torch.cat([f.w for f in forms]))
     if kinds == {Int8}:
-        parts = [cat(ps) for ps in zip(*[f.parts for f in forms])]
-        if all(isinstance(p, Int4) for p in parts):
-            return Int8(parts, torch.cat([f.d for f in forms]))
+        if all(f.n == f.packed.shape[1] for f in forms[:-1]) and len({f.packed.shape[2] for f in forms}) == 1:
+            return Int8(torch.cat([f.packed for f in forms], 1), torch.cat([f.sz for f in forms], 2),
+                        sum(f.n for f in forms), torch.cat([f.d for f in forms]))
     if kinds == {Blocks} and len({(f.bits, f.min is None, f.dtype) for f in forms}) == 1:
         join = lambda ts: None if ts[0] is None else torch.cat(ts)
         return Blocks(join([f.codes for f in forms]), join([f.scale for f in forms]), join([f.min for f in forms]),
@@ -466,7 +467,7 @@ def resident_bytes(form: str, n: int, k: int) -> int:
     if form == "int4":
         n_pad = n + (-n % (tile_width() or 1))
         return n_pad * k // 2 + n_pad * (k // GROUP) * 4
-    if form == "int8":  # int4 forms of (n, 2k) in all and the f16 scales
+    if form == "int8":  # int4 forms of (n, 2k) in all, and the f16 scales
         return resident_bytes("int4", n, 2 * k) + n * (k // GROUP) * 2
     if form == "int4_cuda":  # codes, f16 scale and min
         return n * k // 2 + n * (k // GROUP) * 4

@@ -145,6 +145,15 @@ def test_cat_and_narrow_keep_products():
     _check(whole, ref, rows=(1,))
     for start, n in ((2 * T, 2 * T + 8), (0, 2 * T), (T, T + 8), (2 * T + 6, 10)):  # tile-aligned views, a split tile
         _check(whole.narrow(start, n), ref[start : start + n], rows=(1,))
+    g = torch.Generator().manual_seed(4)
+    parts = [Int8.from_codes(torch.randint(-128, 128, (n, 128), generator=g, dtype=torch.int8),
+                             torch.rand(n, 4, generator=g).half()) for n in (2 * T, T, T + 8)]
+    whole = cat(parts)
+    ref = torch.cat([p.dequantize() for p in parts])
+    assert isinstance(whole, Int8)  # joined in place
+    _check(whole, ref, rows=(1,))
+    for start, n in ((2 * T, 2 * T + 8), (0, 2 * T), (T, T + 8), (2 * T + 6, 10)):
+        _check(whole.narrow(start, n), ref[start : start + n], rows=(1,))
     dense = cat([Dense(torch.randn(8, 32)), Dense(torch.randn(4, 32))])
     assert torch.equal(dense.narrow(8, 4).w, dense.w[8:])
 
