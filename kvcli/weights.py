@@ -107,6 +107,18 @@ class Dense:
         return Dense(self.w.to(device))
 
 
+def tile_rows(packed: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """Rows `ids` (an index tensor) of packed int4 tiles (..., N_pad, K / 2) -> their codes (*ids.shape, ..., K)
+    uint8 0..15: row r lies in tile r // T, byte column (r % T) % (T / 2), the high nibble for the tile's
+    second half."""
+    T = tile_width()
+    lead, K = packed.shape[:-2], 2 * packed.shape[-1]
+    j = ids % T
+    b = packed.view(*lead, -1, K, T // 2)[..., ids // T, :, j % (T // 2)]  # (*ids.shape, ..., K) bytes
+    shift = (4 * (j >= T // 2)).to(torch.uint8)
+    return (b >> shift.view(*ids.shape, *[1] * (len(lead) + 1))) & 15
+
+
 class Int4:
     """W (N, K) = (q - 8) * scale + zero per 32 columns, q 4-bit codes.
 
@@ -185,19 +197,10 @@ class Int4:
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32, only those unpacked (a
-        Q4_K_M file's token embedding is Q4_K): row r lies in tile r // T, byte column (r % T) % (T / 2),
-        the high nibble for the tile's second half."""
-        c = self.row_codes(ids)
+        Q4_K_M file's token embedding is Q4_K)."""
+        c = tile_rows(self.packed, ids)
         sz = self.sz[:, ids].movedim(0, -2).float()  # (*ids.shape, K / 32, 2)
         return ((c.unflatten(-1, (-1, GROUP)).float() - 8) * sz[..., :1] + sz[..., 1:]).flatten(-2)
-
-    def row_codes(self, ids: torch.Tensor) -> torch.Tensor:
-        """Rows `ids` (an index tensor) -> their codes (*ids.shape, K) uint8 0..15."""
-        T = tile_width()
-        K = self.shape[1]
-        j = ids % T
-        b = self.packed.view(-1, K, T // 2)[ids // T, :, j % (T // 2)]  # (*ids.shape, K) bytes
-        return (b >> (4 * (j >= T // 2)).to(torch.uint8)[..., None]) & 15
 
     def narrow(self, start: int, n: int):
         T = tile_width()
@@ -258,12 +261,13 @@ class Int8:
         N, K = self.shape
         if _rows(x) > UPCAST_ROWS:  # f32 GEMM over slabs of rows: never an f32 copy of a whole head (113 MB)
             return torch.cat([F.linear(x, self._slab(s, min(s + SLAB_ROWS, N))) for s in range(0, N, SLAB_ROWS)], -1)
-        xb = x.reshape(-1, K).bfloat16()
-        C = self.packed.shape[2]
+        P, _, C = self.packed.shape
+        M = _rows(x)
+        # [x_c, x_c] for every part c in one copy: (P, M, 2 C), each part's operand contiguous
+        x2 = x.reshape(M, P, 1, C).expand(M, P, 2, C).permute(1, 0, 2, 3).reshape(P, M, 2 * C).bfloat16()
         out = None
-        for s, p in zip(range(0, K, C), self.parts):
-            xc = xb[:, s : s + C]
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(torch.cat([xc, xc], 1), p.packed, GROUP, p.sz)
+        for xc, p in zip(x2, self.parts):
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, p.packed, GROUP, p.sz)
             out = y.float() if out is None else out.add_(y)
         if out.shape[1] != N:  # padding rows of the last tile
             out = out[:, :N]
@@ -283,13 +287,9 @@ class Int8:
 
     def rows(self, ids) -> torch.Tensor:
         """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32: only those rows are dequantized
-        (Int4.row_codes over every part in one pass)."""
+        (every part's codes in one pass)."""
         ids = torch.as_tensor(ids)
-        P, _, C = self.packed.shape
-        T = tile_width()
-        j = ids % T
-        b = self.packed.view(P, -1, 2 * C, T // 2)[:, ids // T, :, j % (T // 2)]  # (*ids.shape, P, 2 C) bytes
-        c = (b >> (4 * (j >= T // 2)).to(torch.uint8)[..., None, None]) & 15
+        c = tile_rows(self.packed, ids)  # (*ids.shape, P, 2 C)
         return (self._q(c) * self.d[ids].float()[..., None]).flatten(-2)
 
     def dequantize(self) -> torch.Tensor:
