@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcli.kernel_layout import DENSE_KINDS
+from kvcli.kernel_layout import DENSE_KINDS, Kind
 from kvcli.memory import MIB
 
 # f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
@@ -75,6 +75,10 @@ class Attention:
         for this batch, if it keeps one."""
         if use_triton(q) and self.flash and not torch.is_tensor(pos) and kernel_covers(q, cache):
             return attend_triton(q, cache, layer, pos, recent)
+        if self.flash and q.shape[1] == 1 and not q.is_cuda and cpu_decode_covers(cache):
+            out = attend_cpu_decode(q, cache, layer, pos, recent)
+            if out is not None:
+                return out
         return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
 
     def hidden(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
@@ -107,6 +111,39 @@ def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, recent: Recent |
     out = cache.v.from_storage(attend_kernel(cache.k.to_storage(q.float()), k, v, pos, window=window,
                                              **launch))  # (B, T, H, D)
     return out.flatten(2)
+
+
+def cpu_decode_covers(cache) -> bool:
+    """The CPU decode kernel (kvcli/cache/hadamard_decode.py): q4_hadamard keys and values, numba importable."""
+    from kvcli.cache import hadamard_decode  # the stores import this module: imported here, not at the top
+
+    k, v = cache.k.kernel_layout(), cache.v.kernel_layout()
+    return (hadamard_decode.available() and k is not None and v is not None
+            and k.kind == Kind.HADAMARD_KEYS and v.kind == Kind.HADAMARD_VALUES)
+
+
+def attend_cpu_decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor,
+                      recent: Recent | None = None) -> torch.Tensor | None:
+    """attend_reference's result for one query token per sequence through the CPU decode kernel, or None where
+    the store reaches past hadamard_decode.MAX_POSITIONS (the int4 GEMM's products cost less there)."""
+    from kvcli.cache import hadamard_decode
+
+    B, _, H, D = q.shape
+    Hkv = cache.k.n_heads
+    # as attend_reference: the store below lim (per sequence), the window above it
+    if recent is None:
+        lim = pos + 1 if torch.is_tensor(pos) else torch.full((B,), pos + 1)
+        window = None
+    elif recent.masked is not None:  # rows at their own positions
+        lim, window = recent.lim.view(B), (recent.k, recent.v, recent.masked.view(B, -1))
+    else:  # one position for every row: the window is positions recent.start..pos, all read
+        first = max(pos - recent.size + 1, recent.start)
+        lim = torch.full((B,), first)
+        window = (recent.k, recent.v, torch.zeros(B, recent.k.shape[2], dtype=torch.bool))
+    if int(lim.max()) > hadamard_decode.MAX_POSITIONS:
+        return None
+    qm = q.reshape(B, Hkv, H // Hkv, D) * (1.0 / math.sqrt(D))  # (B, Hkv, G, D): T = 1
+    return hadamard_decode.attend(qm, cache, layer, lim, window).view(B, 1, H * D)
 
 
 def hidden_kernel_covers(q: torch.Tensor, cache) -> bool:

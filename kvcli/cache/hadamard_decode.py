@@ -1,0 +1,241 @@
+"""q4_hadamard decode attention on the CPU in one compiled pass (numba): the CPU's counterpart of
+the Triton kernel, for one query token per sequence (`kvcli run`, the server's slots).
+
+What it computes is attend_reference's result (kvcli/attention.py) for T = 1 over a q4_hadamard K
+and V store (kvcli/cache/hadamard.py) and their recent window: for each sequence b, KV head h and
+query head g of its group,
+    s_t = q_rot . (d_t,blk (u_t - 8)) + q_rot . c_k   store position t < lim[b] past the sinks,
+    s_t = q_rot . sink_t                              a sink (its rotated f16 copy),
+    s_n = q . k_n                                     window slot n, unless masked[b, n],
+one softmax over all of them, then the store's values summed in the rotated space (d (u - 8) + c_v,
+or the sink) and the window's in the model's; the first rotated back and the two added.
+Torch would spend ~100 ops a layer on this (unpacking, products, offsets, sinks, the window's part, the
+softmax's cat and split), each with its fixed cost; here it is one call that reads the codes where
+they lie (no dequantized copy: a tile of scores and a row of values at a time).
+
+Each (sequence, head) is computed alone, in the same order whatever else is in the batch, so a
+sequence gets the same bits alone and beside others (the server's solo/concurrent equality).
+Single-threaded and without the GIL: at decode's depths the work per layer is small. Figures:
+benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+try:  # an optional speed-up: without numba, attention runs torch's reference path
+    import numba
+except ImportError:  # pragma: no cover - numba is a dependency; kept optional for odd platforms
+    numba = None
+
+
+def available() -> bool:
+    return numba is not None
+
+
+# The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
+# cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
+MAX_POSITIONS = 1024
+EIGHT = np.float32(8)  # the codes' bias; f32 so that numba keeps the sums in f32
+
+
+# LLVM's fast-math flags less "no infinities" and "no NaNs": masked scores are -inf
+_FAST = {"contract", "arcp", "nsz", "afn"}
+
+
+def _jit(f):
+    return numba.njit(cache=True, nogil=True, fastmath=_FAST)(f) if numba is not None else f
+
+
+LANES = 16  # a sum's partial sums: a fixed order (the same bits for any batch) that still fills a vector
+
+
+@_jit
+def _dot(x, y, n, lanes):
+    """sum_e x[e] y[e] over e < n (n a multiple of LANES) in LANES partial sums, added in order; lanes: scratch."""
+    lanes[:] = 0
+    for e0 in range(0, n, LANES):
+        for l in range(LANES):
+            lanes[l] += x[e0 + l] * y[e0 + l]
+    a = np.float32(0)
+    for l in range(LANES):
+        a += lanes[l]
+    return a
+
+
+@_jit
+def _sum(x, lo, hi, lanes):
+    """sum x[lo:hi] in LANES partial sums (the tail alone), added in order."""
+    lanes[:] = 0
+    e0 = lo
+    while e0 + LANES <= hi:
+        for l in range(LANES):
+            lanes[l] += x[e0 + l]
+        e0 += LANES
+    a = np.float32(0)
+    for l in range(LANES):
+        a += lanes[l]
+    for e in range(e0, hi):
+        a += x[e]
+    return a
+
+
+@_jit
+def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wmask, lim, out):
+    """qm (B, H, G, D) f32: the scaled query in the model's space; rot (D, D) f32: R (x_rot = R x), rot_t: R^T; kdat (B, H, n_pad / T, D, T / 2)
+    uint8 key tiles, vdat (B, H, D / W, n_pad, W / 2) value tiles, ksc/vsc (B, H, D / 32, n_pad) int16 (bf16 bits);
+    ksink/vsink (B, H, S, D) f32 rotated sinks; koff/voff (B, H, D) f32 offsets; wk/wv (B, H, N, D) f32 window
+    slots, wmask (B, N) bool (True: not read); lim (B,) int64: store positions 0..lim[b]-1 are read.
+    -> out (B, H, G, D) f32 in the model's space. The rotations are done here, row by row, so that a row's bits
+    do not depend on how many others share the call (a batched matmul's blocking does)."""
+    B, H, G, D = qm.shape
+    T2 = kdat.shape[4]
+    T = 2 * T2
+    NV, W2 = vdat.shape[2], vdat.shape[4]
+    W = 2 * W2
+    NB = D // 32
+    S = ksink.shape[2]
+    N = wk.shape[2]
+    n_max = 0
+    for b in range(B):
+        n_max = max(n_max, lim[b])
+    s = np.empty((G, N + n_max + T), np.float32)  # scores: window slots, then store positions (whole tiles)
+    part = np.empty((G, T), np.float32)
+    ulo = np.empty(T2, np.float32)
+    uhi = np.empty(T2, np.float32)
+    bits = np.empty(max(T, NB), np.int32)  # bf16 scales as f32 bit patterns ...
+    dflt = bits.view(np.float32)  # ... read as f32
+    dt = np.empty((NB, T), np.float32)
+    qsum = np.empty((G, NB), np.float32)
+    qoff = np.empty(G, np.float32)
+    pd = np.empty((G, NB), np.float32)
+    lanes = np.empty(LANES, np.float32)
+    qb = np.empty((G, D), np.float32)  # the query rotated into the stores' space
+    acc = np.empty((G, D), np.float32)
+    accw = np.empty((G, D), np.float32)
+    psum = np.empty(G, np.float32)
+    for b in range(B):
+        n = lim[b]
+        m0 = min(S, n)  # sinks among the read positions
+        nt = (n + T - 1) // T
+        for h in range(H):
+            qb[:, :] = 0
+            for g in range(G):  # qb = R q as a sum of R's columns (rows of R^T)
+                for e in range(D):
+                    qe = qm[b, h, g, e]
+                    for f in range(D):
+                        qb[g, f] += qe * rot_t[e, f]
+            # ---- scores ----
+            for g in range(G):
+                for w in range(N):
+                    if wmask[b, w]:
+                        s[g, w] = -np.inf
+                    else:
+                        s[g, w] = _dot(qm[b, h, g], wk[b, h, w], D, lanes)
+                qoff[g] = _dot(qb[g], koff[b, h], D, lanes)
+                for k in range(NB):
+                    qsum[g, k] = _sum(qb[g], 32 * k, 32 * k + 32, lanes)
+            for i in range(nt):  # key tile i: positions T i .. T i + T - 1
+                for k in range(NB):
+                    for j in range(T):
+                        bits[j] = (np.int32(ksc[b, h, k, T * i + j]) & 0xFFFF) << 16
+                    dt[k, :] = dflt[:T]
+                for g in range(G):
+                    for j in range(T):
+                        s[g, N + T * i + j] = qoff[g]
+                kt = kdat[b, h, i]  # (D, T / 2)
+                for k in range(NB):
+                    part[:, :] = 0
+                    for e in range(32 * k, 32 * k + 32):
+                        ke = kt[e]
+                        for j in range(T2):
+                            ulo[j] = ke[j] & 15
+                            uhi[j] = ke[j] >> 4
+                        for g in range(G):
+                            qe = qb[g, e]
+                            pg = part[g]
+                            for j in range(T2):
+                                pg[j] += qe * ulo[j]
+                                pg[T2 + j] += qe * uhi[j]
+                    for g in range(G):
+                        for j in range(T):
+                            s[g, N + T * i + j] += dt[k, j] * (part[g, j] - EIGHT * qsum[g, k])
+            for g in range(G):
+                for t in range(m0):  # the sinks: their f16 copies, no offset
+                    s[g, N + t] = _dot(qb[g], ksink[b, h, t], D, lanes)
+            # ---- softmax (unnormalised; divided at the end) ----
+            for g in range(G):
+                mx = np.float32(-np.inf)
+                for j in range(N + n):
+                    mx = max(mx, s[g, j])
+                for j in range(N + n):
+                    s[g, j] = np.exp(s[g, j] - mx)
+                psum[g] = _sum(s[g], 0, N + n, lanes)
+            # ---- weighted sums ----
+            accw[:, :] = 0
+            acc[:, :] = 0
+            for g in range(G):
+                for w in range(N):
+                    p = s[g, w]
+                    if p != 0:
+                        for e in range(D):
+                            accw[g, e] += p * wv[b, h, w, e]
+            for t in range(m0, n):
+                for k in range(NB):
+                    bits[k] = (np.int32(vsc[b, h, k, t]) & 0xFFFF) << 16
+                for g in range(G):
+                    p = s[g, N + t]
+                    for k in range(NB):
+                        pd[g, k] = p * dflt[k]
+                for i in range(NV):  # elements W i + j (low nibble) and W i + W / 2 + j (high)
+                    klo, khi = (W * i) // 32, (W * i + W2) // 32
+                    vt = vdat[b, h, i, t]  # (W / 2,)
+                    for j in range(W2):
+                        ulo[j] = np.float32(vt[j] & 15) - EIGHT
+                        uhi[j] = np.float32(vt[j] >> 4) - EIGHT
+                    for g in range(G):
+                        plo, phi = pd[g, klo], pd[g, khi]
+                        ag = acc[g, W * i : W * i + W]
+                        for j in range(W2):
+                            ag[j] += plo * ulo[j]
+                            ag[W2 + j] += phi * uhi[j]
+            for g in range(G):
+                past = _sum(s[g], N + m0, N + n, lanes)  # the weight past the sinks carries the offset
+                for t in range(m0):
+                    p = s[g, N + t]
+                    for e in range(D):
+                        acc[g, e] += p * vsink[b, h, t, e]
+                for e in range(D):
+                    acc[g, e] += past * voff[b, h, e]
+                inv = np.float32(1) / psum[g]
+                og = out[b, h, g]
+                og[:] = accw[g]
+                for f in range(D):  # back from the rotated space: x = R^T x_rot, a sum of R's rows
+                    af = acc[g, f]
+                    for e in range(D):
+                        og[e] += af * rot[f, e]
+                for e in range(D):
+                    og[e] *= inv
+
+
+def _np(t: torch.Tensor) -> np.ndarray:
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
+
+
+def attend(qm: torch.Tensor, cache, layer: int, lim: torch.Tensor, window: tuple | None) -> torch.Tensor:
+    """qm (B, Hkv, G, D) f32, the scaled query in the model's space; lim (B,) int64: each sequence reads
+    store positions 0..lim-1; window: (k, v (B, Hkv, N, D) f32, masked (B, N) bool) or None ->
+    the attention output (B, Hkv, G, D) f32 in the model's space."""
+    k, v = cache.k, cache.v
+    B, H, G, D = qm.shape
+    if window is None:
+        wk = wv = qm.new_zeros(B, H, 0, D)
+        wmask = torch.zeros(B, 0, dtype=torch.bool)
+    else:
+        wk, wv, wmask = window
+    out = torch.empty(B, H, G, D)
+    _attend(_np(qm), _np(k.rot), _np(k.rot_t), _np(k.data[layer]), _np(k.scale[layer]), _np(k.sink[layer].float()),
+            _np(k.offset[layer, :, 0]), _np(v.data[layer]), _np(v.scale[layer]), _np(v.sink[layer].float()),
+            _np(v.offset[layer, :, 0]), _np(wk), _np(wv), _np(wmask), _np(lim), _np(out))
+    return out

@@ -1,0 +1,96 @@
+"""q4_hadamard's CPU decode kernel (kvcli/cache/hadamard_decode.py): the reference's attention for one
+query token per sequence, in one compiled call, over the codes where they lie."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kvcli.attention
+from kvcli.attention import Attention, attend_cpu_decode, attend_reference
+from kvcli.cache import KVCache, hadamard, hadamard_decode
+from kvcli.cache.hadamard import HadamardQ4Store
+
+pytestmark = pytest.mark.skipif(not hadamard_decode.available(), reason="numba is not installed")
+HKV, G, D = 3, 3, 64
+
+
+def _cache(batch: int, window: int, tile: int, n_ctx: int = 600) -> KVCache:
+    cache = KVCache(2, batch, HKV, n_ctx, D, "q4_hadamard", "q4_hadamard", window=window)
+    cache.k = HadamardQ4Store(2, batch, HKV, n_ctx, D, keys=True, tile=tile)  # either CPU's tile width
+    cache.v = HadamardQ4Store(2, batch, HKV, n_ctx, D, tile=tile)
+    return cache
+
+
+def _fill(cache: KVCache, lens: list[int], g: torch.Generator) -> None:
+    """Row b holds lens[b] positions in both layers (an offset away from 0, as real keys have)."""
+    for b, n in enumerate(lens):
+        for layer in range(2):
+            cache.rows(b, b + 1).store(layer, torch.randn(1, n, HKV, D, generator=g) * 2 + 0.5,
+                                       torch.randn(1, n, HKV, D, generator=g), 0)
+
+
+@pytest.mark.parametrize("tile", [64, 32])
+@pytest.mark.parametrize("window", [16, 0])
+def test_rows_equal_the_reference(monkeypatch, tile, window):
+    """Rows at their own positions (one among its sinks, one inside its window, two deep), across window
+    hand-overs: the reference's result, its products read from the codes in f32 (not the int4 GEMM's bf16)."""
+    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**9, False: 10**9})
+    g = torch.Generator().manual_seed(0)
+    lens = [3, 12, 140, 400]
+    cache = _cache(len(lens), window, tile)
+    _fill(cache, lens, g)
+    called = []
+    monkeypatch.setattr(hadamard_decode, "attend", lambda *a, f=hadamard_decode.attend: called.append(1) or f(*a))
+    for step in range(20):
+        pos = torch.tensor([n + step for n in lens])
+        q = torch.randn(len(lens), 1, HKV * G, D, generator=g) * 3
+        recent = cache.store(1, torch.randn(len(lens), 1, HKV, D, generator=g) * 2 + 0.5,
+                             torch.randn(len(lens), 1, HKV, D, generator=g), pos)
+        got = Attention()(q, cache, 1, pos, recent)
+        want = attend_reference(q, cache, 1, pos, recent=recent)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    assert len(called) == 20  # the kernel ran, not the reference twice
+
+
+@pytest.mark.parametrize("window", [16, 0])
+def test_one_position_for_every_row(monkeypatch, window):
+    """`kvcli run`'s decode: an int position, the window's positions all read."""
+    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**9, False: 10**9})
+    g = torch.Generator().manual_seed(1)
+    cache = _cache(2, window, 64)
+    cache.store(0, torch.randn(2, 150, HKV, D, generator=g), torch.randn(2, 150, HKV, D, generator=g), 0)
+    for pos in range(150, 170):
+        q = torch.randn(2, 1, HKV * G, D, generator=g)
+        recent = cache.store(0, torch.randn(2, 1, HKV, D, generator=g), torch.randn(2, 1, HKV, D, generator=g), pos)
+        torch.testing.assert_close(attend_cpu_decode(q, cache, 0, pos, recent),
+                                   attend_reference(q, cache, 0, pos, recent=recent), rtol=1e-5, atol=2e-5)
+
+
+def test_a_row_gets_the_same_bits_alone_and_beside_others():
+    """Each (sequence, head) is computed alone: the server's concurrent streams equal their solo runs."""
+    g = torch.Generator().manual_seed(2)
+    lens = [20, 90, 300]
+    cache = _cache(3, 16, 64)
+    _fill(cache, lens, g)
+    pos = torch.tensor(lens)
+    q = torch.randn(3, 1, HKV * G, D, generator=g)
+    recent = cache.store(1, torch.randn(3, 1, HKV, D, generator=g), torch.randn(3, 1, HKV, D, generator=g), pos)
+    together = attend_cpu_decode(q, cache, 1, pos, recent)
+    for b in range(3):  # the same row through a one-row view: its ring slots and limits as the batch had them
+        one = cache.rows(b, b + 1)
+        r = kvcli.attention.Recent(recent.k[b : b + 1], recent.v[b : b + 1], int(recent.lim[b]), recent.size,
+                                   recent.masked[b : b + 1], recent.lim[b : b + 1], int(recent.lim[b]))
+        assert torch.equal(attend_cpu_decode(q[b : b + 1], one, 1, pos[b : b + 1], r), together[b : b + 1])
+
+
+def test_deep_stores_and_fa_off_take_the_reference(monkeypatch):
+    """Past MAX_POSITIONS the int4 GEMM's products cost less: the kernel declines; -fa off is the reference."""
+    monkeypatch.setattr(hadamard_decode, "MAX_POSITIONS", 100)
+    g = torch.Generator().manual_seed(3)
+    cache = _cache(1, 0, 64)
+    cache.store(0, torch.randn(1, 150, HKV, D, generator=g), torch.randn(1, 150, HKV, D, generator=g), 0)
+    q = torch.randn(1, 1, HKV * G, D, generator=g)
+    assert attend_cpu_decode(q, cache, 0, 149) is None
+    monkeypatch.setattr(hadamard_decode, "attend", lambda *a: pytest.fail("the kernel ran"))
+    torch.testing.assert_close(Attention(flash=False)(q, cache, 0, 99), attend_reference(q, cache, 0, 99, flash=False))
