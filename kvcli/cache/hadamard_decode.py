@@ -233,9 +233,22 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: torch.Tensor, window: tuple
         wk = wv = qm.new_zeros(B, H, 0, D)
         wmask = torch.zeros(B, 0, dtype=torch.bool)
     else:
-        wk, wv, wmask = window
+        wk, wv, wmask = (t.contiguous() for t in window)  # C-contiguous everywhere: one compiled signature
     out = torch.empty(B, H, G, D)
-    _attend(_np(qm), _np(k.rot), _np(k.rot_t), _np(k.data[layer]), _np(k.scale[layer]), _np(k.sink[layer].float()),
-            _np(k.offset[layer, :, 0]), _np(v.data[layer]), _np(v.scale[layer]), _np(v.sink[layer].float()),
-            _np(v.offset[layer, :, 0]), _np(wk), _np(wv), _np(wmask), _np(lim), _np(out))
+    _attend(_np(qm.contiguous()), _np(k.rot), _np(k.rot_t), _np(k.data[layer].contiguous()),
+            _np(k.scale[layer].contiguous()), _np(k.sink[layer].float()), _np(k.offset[layer, :, 0].contiguous()),
+            _np(v.data[layer].contiguous()), _np(v.scale[layer].contiguous()), _np(v.sink[layer].float()),
+            _np(v.offset[layer, :, 0].contiguous()), _np(wk), _np(wv), _np(wmask), _np(lim.contiguous()), _np(out))
     return out
+
+
+def warm_up() -> None:
+    """Load the kernel now (from numba's cache: ~0.3 s; compiled the first time: seconds), with the load,
+    not in the first token's time. Tiny arrays of the same types as `attend` passes."""
+    if numba is None:
+        return
+    f32 = np.float32
+    z4, z5 = np.zeros((1, 1, 1, 32), f32), np.zeros((1, 1, 1, 32, 16), np.uint8)
+    _attend(z4, np.eye(32, dtype=f32), np.eye(32, dtype=f32), z5, np.zeros((1, 1, 1, 32), np.int16), z4,
+            np.zeros((1, 1, 32), f32), z5.copy(), np.zeros((1, 1, 1, 32), np.int16), z4, np.zeros((1, 1, 32), f32),
+            z4, z4, np.zeros((1, 1), np.bool_), np.ones(1, np.int64), np.empty((1, 1, 1, 32), f32))
