@@ -115,11 +115,13 @@ def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, recent: Recent |
 
 def cpu_decode_covers(cache) -> bool:
     """The CPU decode kernel (kvcli/cache/hadamard_decode.py): q4_hadamard keys and values, numba importable."""
-    from kvcli.cache import hadamard_decode  # the stores import this module: imported here, not at the top
-
     k, v = cache.k.kernel_layout(), cache.v.kernel_layout()
-    return (hadamard_decode.available() and k is not None and v is not None
-            and k.kind == Kind.HADAMARD_KEYS and v.kind == Kind.HADAMARD_VALUES)
+    if k is None or v is None or k.kind != Kind.HADAMARD_KEYS or v.kind != Kind.HADAMARD_VALUES:
+        return False
+    # imported here: the stores import this module, and numba loads only where the kernel may run
+    from kvcli.cache import hadamard_decode
+
+    return hadamard_decode.available()
 
 
 def attend_cpu_decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor,

@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from kvcli.attention import Attention, cpu_decode_covers
-from kvcli.cache import CacheSpec, hadamard_decode, make_cache
+from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
@@ -157,7 +157,9 @@ class Llama:
         return_freed_memory()  # the load's freed temporaries go back
         self.cache = self.new_cache(self.cache_spec)
         if device == "cpu" and self.cache_spec.mode == "kv" and cpu_decode_covers(self.cache):
-            hadamard_decode.warm_up()  # its kernel loads with the model, not in the first token's time
+            from kvcli.cache import hadamard_decode  # numba: only where its kernel runs
+
+            hadamard_decode.warm_up()  # the kernel loads with the model, not in the first token's time
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
