@@ -75,7 +75,7 @@ class Attention:
         for this batch, if it keeps one."""
         if use_triton(q) and self.flash and not torch.is_tensor(pos) and kernel_covers(q, cache):
             return attend_triton(q, cache, layer, pos, recent)
-        if self.flash and q.shape[1] == 1 and not q.is_cuda and cpu_decode_covers(cache):
+        if self.flash and q.shape[1] == 1 and not q.is_cuda:
             out = attend_cpu_decode(q, cache, layer, pos, recent)
             if out is not None:
                 return out
@@ -113,39 +113,42 @@ def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, recent: Recent |
     return out.flatten(2)
 
 
-def cpu_decode_covers(cache) -> bool:
-    """The CPU decode kernel (kvcli/cache/hadamard_decode.py): q4_hadamard keys and values, numba importable."""
-    k, v = cache.k.kernel_layout(), cache.v.kernel_layout()
-    if k is None or v is None or k.kind != Kind.HADAMARD_KEYS or v.kind != Kind.HADAMARD_VALUES:
-        return False
-    # imported here: the stores import this module, and numba loads only where the kernel may run
-    from kvcli.cache import hadamard_decode
+_CPU_KERNELS: dict = {}  # (K store type, V store type, head size) -> the kernel module or None
 
-    return hadamard_decode.available()
+
+def cpu_decode_kernel(cache):
+    """The CPU decode kernel that reads this K/V pair (its module), or None: q4_hadamard keys and values
+    (kvcli/cache/hadamard_decode.py) or dense ones at a head size it takes (kvcli/cache/dense_decode.py),
+    numba importable. Asked every layer at decode: decided once per pair of store types."""
+    key = (type(cache.k), type(cache.v), cache.k.head_dim)
+    if key not in _CPU_KERNELS:
+        _CPU_KERNELS[key] = _pick_cpu_kernel(cache.k, cache.v)
+    return _CPU_KERNELS[key]
+
+
+def _pick_cpu_kernel(k_store, v_store):
+    k, v = k_store.kernel_layout(), v_store.kernel_layout()
+    if k is None or v is None:
+        return None
+    # imported here: the stores import this module, and numba loads only where a kernel may run
+    if k.kind == Kind.HADAMARD_KEYS and v.kind == Kind.HADAMARD_VALUES:
+        from kvcli.cache import hadamard_decode as kernel
+    elif k.kind in DENSE_KINDS and v.kind in DENSE_KINDS:
+        from kvcli.cache import dense_decode as kernel
+
+        if not (kernel.covers(k_store) and kernel.covers(v_store)):
+            return None
+    else:
+        return None
+    return kernel if kernel.available() else None
 
 
 def attend_cpu_decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor,
                       recent: Recent | None = None) -> torch.Tensor | None:
-    """attend_reference's result for one query token per sequence through the CPU decode kernel, or None where
-    the store reaches past hadamard_decode.MAX_POSITIONS (the int4 GEMM's products cost less there)."""
-    from kvcli.cache import hadamard_decode
-
-    B, _, H, D = q.shape
-    Hkv = cache.k.n_heads
-    # as attend_reference: the store below lim (per sequence), the window above it
-    if recent is None:
-        lim = pos + 1 if torch.is_tensor(pos) else torch.full((B,), pos + 1)
-        window = None
-    elif recent.masked is not None:  # rows at their own positions
-        lim, window = recent.lim.view(B), (recent.k, recent.v, recent.masked.view(B, -1))
-    else:  # one position for every row: the window is positions recent.start..pos, all read
-        first = max(pos - recent.size + 1, recent.start)
-        lim = torch.full((B,), first)
-        window = (recent.k, recent.v, torch.zeros(B, recent.k.shape[2], dtype=torch.bool))
-    if int(lim.max()) > hadamard_decode.MAX_POSITIONS:
-        return None
-    qm = q.reshape(B, Hkv, H // Hkv, D) * (1.0 / math.sqrt(D))  # (B, Hkv, G, D): T = 1
-    return hadamard_decode.attend(qm, cache, layer, lim, window).view(B, 1, H * D)
+    """attend_reference's result (B, 1, H * D) for one query token per sequence (q (B, 1, H, D)) through a CPU
+    decode kernel, or None where none reads this cache (another type pair, or a case its `decode` declines)."""
+    kernel = cpu_decode_kernel(cache)
+    return None if kernel is None else kernel.decode(q, cache, layer, pos, recent)
 
 
 def hidden_kernel_covers(q: torch.Tensor, cache) -> bool:

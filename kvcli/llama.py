@@ -19,7 +19,7 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from kvcli.attention import Attention, cpu_decode_covers
+from kvcli.attention import Attention, cpu_decode_kernel
 from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
@@ -156,10 +156,9 @@ class Llama:
         del tensors
         return_freed_memory()  # the load's freed temporaries go back
         self.cache = self.new_cache(self.cache_spec)
-        if device == "cpu" and self.cache_spec.mode == "kv" and cpu_decode_covers(self.cache):
-            from kvcli.cache import hadamard_decode  # numba: only where its kernel runs
-
-            hadamard_decode.warm_up()  # the kernel loads with the model, not in the first token's time
+        kernel = cpu_decode_kernel(self.cache) if device == "cpu" and self.cache_spec.mode == "kv" else None
+        if kernel is not None:
+            kernel.warm_up(self.cache)  # the kernel loads with the model, not in the first token's time
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)

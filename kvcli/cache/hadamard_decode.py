@@ -21,18 +21,12 @@ benchmarks/README.md.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 import torch
 
-try:  # an optional speed-up: without numba, attention runs torch's reference path
-    import numba
-except ImportError:  # pragma: no cover - numba is a dependency; kept optional for odd platforms
-    numba = None
-
-
-def available() -> bool:
-    return numba is not None
-
+from kvcli.cache.cpu_jit import LANES, available, dot, jit, lane_sum, numba
 
 # The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
 # cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
@@ -40,48 +34,7 @@ MAX_POSITIONS = 1024
 EIGHT = np.float32(8)  # the codes' bias; f32 so that numba keeps the sums in f32
 
 
-# LLVM's fast-math flags less "no infinities" and "no NaNs": masked scores are -inf
-_FAST = {"contract", "arcp", "nsz", "afn"}
-
-
-def _jit(f):
-    return numba.njit(cache=True, nogil=True, fastmath=_FAST)(f) if numba is not None else f
-
-
-LANES = 16  # a sum's partial sums: a fixed order (the same bits for any batch) that still fills a vector
-
-
-@_jit
-def _dot(x, y, n, lanes):
-    """sum_e x[e] y[e] over e < n (n a multiple of LANES) in LANES partial sums, added in order; lanes: scratch."""
-    lanes[:] = 0
-    for e0 in range(0, n, LANES):
-        for l in range(LANES):
-            lanes[l] += x[e0 + l] * y[e0 + l]
-    a = np.float32(0)
-    for l in range(LANES):
-        a += lanes[l]
-    return a
-
-
-@_jit
-def _sum(x, lo, hi, lanes):
-    """sum x[lo:hi] in LANES partial sums (the tail alone), added in order."""
-    lanes[:] = 0
-    e0 = lo
-    while e0 + LANES <= hi:
-        for l in range(LANES):
-            lanes[l] += x[e0 + l]
-        e0 += LANES
-    a = np.float32(0)
-    for l in range(LANES):
-        a += lanes[l]
-    for e in range(e0, hi):
-        a += x[e]
-    return a
-
-
-@_jit
+@jit
 def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wmask, lim, out):
     """qm (B, H, G, D) f32: the scaled query in the model's space; rot (D, D) f32: R (x_rot = R x), rot_t: R^T; kdat (B, H, n_pad / T, D, T / 2)
     uint8 key tiles, vdat (B, H, D / W, n_pad, W / 2) value tiles, ksc/vsc (B, H, D / 32, n_pad) int16 (bf16 bits);
@@ -132,10 +85,10 @@ def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
                     if wmask[b, w]:
                         s[g, w] = -np.inf
                     else:
-                        s[g, w] = _dot(qm[b, h, g], wk[b, h, w], D, lanes)
-                qoff[g] = _dot(qb[g], koff[b, h], D, lanes)
+                        s[g, w] = dot(qm[b, h, g], wk[b, h, w], D, lanes)
+                qoff[g] = dot(qb[g], koff[b, h], D, lanes)
                 for k in range(NB):
-                    qsum[g, k] = _sum(qb[g], 32 * k, 32 * k + 32, lanes)
+                    qsum[g, k] = lane_sum(qb[g], 32 * k, 32 * k + 32, lanes)
             for i in range(nt):  # key tile i: positions T i .. T i + T - 1
                 for k in range(NB):
                     for j in range(T):
@@ -163,7 +116,7 @@ def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
                             s[g, N + T * i + j] += dt[k, j] * (part[g, j] - EIGHT * qsum[g, k])
             for g in range(G):
                 for t in range(m0):  # the sinks: their f16 copies, no offset
-                    s[g, N + t] = _dot(qb[g], ksink[b, h, t], D, lanes)
+                    s[g, N + t] = dot(qb[g], ksink[b, h, t], D, lanes)
             # ---- softmax (unnormalised; divided at the end) ----
             for g in range(G):
                 mx = np.float32(-np.inf)
@@ -171,7 +124,7 @@ def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
                     mx = max(mx, s[g, j])
                 for j in range(N + n):
                     s[g, j] = np.exp(s[g, j] - mx)
-                psum[g] = _sum(s[g], 0, N + n, lanes)
+                psum[g] = lane_sum(s[g], 0, N + n, lanes)
             # ---- weighted sums ----
             accw[:, :] = 0
             acc[:, :] = 0
@@ -201,7 +154,7 @@ def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
                             ag[j] += plo * ulo[j]
                             ag[W2 + j] += phi * uhi[j]
             for g in range(G):
-                past = _sum(s[g], N + m0, N + n, lanes)  # the weight past the sinks carries the offset
+                past = lane_sum(s[g], N + m0, N + n, lanes)  # the weight past the sinks carries the offset
                 for t in range(m0):
                     p = s[g, N + t]
                     for e in range(D):
@@ -242,7 +195,29 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: torch.Tensor, window: tuple
     return out
 
 
-def warm_up() -> None:
+def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
+    """attend_reference's result (B, 1, H * D) for q (B, 1, H, D) at pos (an int, or (B,) each sequence's own)
+    with the cache's window `recent` (kvcli.attention.Recent) or None; None where the store reaches past
+    MAX_POSITIONS (the int4 GEMM's products cost less there)."""
+    B, _, H, D = q.shape
+    Hkv = cache.k.n_heads
+    # as attend_reference: the store below lim (per sequence), the window above it
+    if recent is None:
+        lim = pos + 1 if torch.is_tensor(pos) else torch.full((B,), pos + 1)
+        window = None
+    elif recent.masked is not None:  # rows at their own positions
+        lim, window = recent.lim.view(B), (recent.k, recent.v, recent.masked.view(B, -1))
+    else:  # one position for every row: the window is positions recent.start..pos, all read
+        first = max(pos - recent.size + 1, recent.start)
+        lim = torch.full((B,), first)
+        window = (recent.k, recent.v, torch.zeros(B, recent.k.shape[2], dtype=torch.bool))
+    if int(lim.max()) > MAX_POSITIONS:
+        return None
+    qm = q.reshape(B, Hkv, H // Hkv, D) * (1.0 / math.sqrt(D))  # (B, Hkv, G, D): T = 1
+    return attend(qm, cache, layer, lim, window).view(B, 1, H * D)
+
+
+def warm_up(cache=None) -> None:
     """Load the kernel now (from numba's cache: ~0.3 s; compiled the first time: seconds), with the load,
     not in the first token's time. Tiny arrays of the same types as `attend` passes."""
     if numba is None:

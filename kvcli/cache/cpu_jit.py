@@ -1,0 +1,100 @@
+"""What the CPU decode kernels (numba) share: the compile flags, fixed-order sums and 16-bit floats read as f32.
+
+Sums run in LANES partial sums added in a fixed order (not fast-math reassociation), so a row's result does
+not depend on how many rows share a call: the server's sequences get the same bits alone and beside others.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+try:  # an optional speed-up: without numba, attention runs torch's reference path
+    import numba
+    from llvmlite import ir
+    from numba import types
+    from numba.extending import intrinsic, overload
+except ImportError:  # pragma: no cover - numba is a dependency; kept optional for odd platforms
+    numba = None
+
+
+def available() -> bool:
+    return numba is not None
+
+
+# LLVM's fast-math flags less "no infinities" and "no NaNs" (masked scores are -inf) and reassociation
+FAST = {"contract", "arcp", "nsz", "afn"}
+LANES = 16  # a sum's partial sums: a fixed order (the same bits for any batch) that still fills a vector
+
+
+def jit(f):
+    return numba.njit(cache=True, nogil=True, fastmath=FAST)(f) if numba is not None else f
+
+
+def jit_reassociating(f):
+    """jit, with sums reassociated as LLVM likes (vectorized): still one fixed order per compiled loop, so a row's
+    bits stay the same whatever shares the call (the tests check it)."""
+    return numba.njit(cache=True, nogil=True, fastmath=FAST | {"reassoc"})(f) if numba is not None else f
+
+
+@jit
+def dot(x, y, n, lanes):
+    """sum_e x[e] y[e] over e < n (n a multiple of LANES) in LANES partial sums, added in order; lanes: scratch."""
+    lanes[:] = 0
+    for e0 in range(0, n, LANES):
+        for l in range(LANES):
+            lanes[l] += x[e0 + l] * y[e0 + l]
+    a = np.float32(0)
+    for l in range(LANES):
+        a += lanes[l]
+    return a
+
+
+@jit
+def lane_sum(x, lo, hi, lanes):
+    """sum x[lo:hi] in LANES partial sums (the tail alone), added in order."""
+    lanes[:] = 0
+    e0 = lo
+    while e0 + LANES <= hi:
+        for l in range(LANES):
+            lanes[l] += x[e0 + l]
+        e0 += LANES
+    a = np.float32(0)
+    for l in range(LANES):
+        a += lanes[l]
+    for e in range(e0, hi):
+        a += x[e]
+    return a
+
+
+def to_f32(x):
+    """An element of a dense store as f32: f32 as is, f16 (passed as uint16 bits, numba has no float16 on CPUs)
+    through LLVM's half type (vectorized as the CPU's conversion instruction), bf16 (int16 bits) shifted."""
+    raise NotImplementedError  # compiled only (the overload below)
+
+
+if numba is not None:
+
+    @intrinsic
+    def _half_bits(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    @intrinsic
+    def _bf16_bits(typingctx, x):
+        def codegen(context, builder, signature, args):
+            w = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(w, ir.FloatType())
+
+        return types.float32(types.int16), codegen
+
+    @overload(to_f32, inline="always")
+    def _to_f32(x):
+        if x == types.float32:
+            return lambda x: x
+        if x == types.uint16:
+            return lambda x: _half_bits(x)
+        if x == types.int16:
+            return lambda x: _bf16_bits(x)
+        return None

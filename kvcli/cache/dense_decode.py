@@ -1,0 +1,113 @@
+"""Decode attention over dense (f32, f16, bf16) K and V on the CPU in one compiled pass (numba): what
+attend_reference computes for one query token per sequence (`kvcli run`, the server's slots), in one call a
+layer instead of a dozen torch ops with their fixed costs and an f32 copy of the keys and values read.
+
+For each sequence b, KV head h and query head g of its group: scores q . k_t over positions t < lim[b], one
+softmax (online, over chunks of CHUNK positions: the scratch stays small at any depth), the values summed.
+Elements are read where they lie and widened to f32 a row at a time (cpu_jit.to_f32). Each (sequence, head)
+is computed alone, in the same order whatever shares the call: a sequence's bits are the same alone and in
+a batch. Figures: benchmarks/README.md.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvcli.cache.cpu_jit import LANES, available, jit_reassociating, numba, to_f32
+
+CHUNK = 256  # positions scored at a time (the online softmax's step)
+
+
+@jit_reassociating
+def _attend(qm, scale, kdat, vdat, lim, out):
+    """qm (B, H, G, D) f32, the query, scores scaled by `scale`; kdat, vdat (B, H, n_ctx, D): f32, or f16 / bf16 as uint16 / int16
+    bits; lim (B,) int64: positions 0..lim[b]-1 are read -> out (B, H, G, D) f32."""
+    B, H, G, D = qm.shape
+    s = np.empty((G, CHUNK), np.float32)
+    rows = np.empty((CHUNK, D), np.float32)  # a chunk of keys, then of values, as f32
+    acc = np.empty((G, D), np.float32)
+    mx = np.empty(G, np.float32)
+    total = np.empty(G, np.float32)
+    for b in range(B):
+        n = lim[b]
+        for h in range(H):
+            acc[:, :] = 0
+            mx[:] = -np.inf
+            total[:] = 0
+            q, kb, vb = qm[b, h], kdat[b, h], vdat[b, h]
+            for c0 in range(0, n, CHUNK):
+                c = min(CHUNK, n - c0)
+                for t in range(c):
+                    for e in range(D):
+                        rows[t, e] = to_f32(kb[c0 + t, e])
+                for t in range(c):
+                    for g in range(G):
+                        a = np.float32(0)
+                        for e in range(D):
+                            a += q[g, e] * rows[t, e]
+                        s[g, t] = a * scale
+                for g in range(G):  # FlashAttention's recurrence: rescale what came before to the new maximum
+                    m = mx[g]
+                    for t in range(c):
+                        m = max(m, s[g, t])
+                    a = np.float32(0)
+                    for t in range(c):
+                        s[g, t] = np.exp(s[g, t] - m)
+                        a += s[g, t]
+                    r = np.exp(mx[g] - m)  # 0 at the first chunk (mx = -inf)
+                    total[g] = total[g] * r + a
+                    for e in range(D):
+                        acc[g, e] *= r
+                    mx[g] = m
+                for t in range(c):
+                    for e in range(D):
+                        rows[t, e] = to_f32(vb[c0 + t, e])
+                for t in range(c):
+                    for g in range(G):
+                        p = s[g, t]
+                        for e in range(D):
+                            acc[g, e] += p * rows[t, e]
+            for g in range(G):
+                inv = np.float32(1) / total[g]
+                for e in range(D):
+                    out[b, h, g, e] = acc[g, e] * inv
+
+
+_BITS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
+
+
+def covers(store) -> bool:
+    """A dense store whose head size the fixed-order sums take (a multiple of LANES)."""
+    return store.dtype in _BITS and store.head_dim % LANES == 0
+
+
+def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor:
+    """qm (B, Hkv, G, D) f32, the query (scores scaled by 1 / sqrt(D) here); lim (B,) int64: each sequence reads positions 0..lim-1
+    -> the attention output (B, Hkv, G, D) f32."""
+    k, v = cache.k.data[layer], cache.v.data[layer]  # (B, Hkv, n_ctx, D): contiguous, a rows view's too
+    out = np.empty(qm.shape, np.float32)
+    _attend(qm.contiguous().numpy(), np.float32(1 / math.sqrt(qm.shape[-1])), k.view(_BITS[k.dtype]).numpy(), v.view(_BITS[v.dtype]).numpy(), lim, out)
+    return torch.from_numpy(out)
+
+
+def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
+    """attend_reference's result (B, 1, H * D) for q (B, 1, H, D) at pos (an int, or (B,) each sequence's own);
+    None with a window (`recent`: a dense pair keeps none unless asked, and then the reference reads it)."""
+    if recent is not None:
+        return None
+    B, _, H, D = q.shape
+    Hkv = cache.k.n_heads
+    lim = (pos + 1).numpy() if torch.is_tensor(pos) else np.full(B, pos + 1, np.int64)
+    return attend(q.reshape(B, Hkv, H // Hkv, D), cache, layer, lim).view(B, 1, H * D)  # (B, Hkv, G, D): T = 1
+
+
+def warm_up(cache) -> None:
+    """Load the kernel for this cache's store types now (from numba's cache: a fraction of a second; compiled the first
+    time: seconds), with the model, not in the first token's time."""
+    if numba is None:
+        return
+    k, v = (torch.zeros(1, 1, 1, LANES, dtype=t).view(_BITS[t]).numpy() for t in (cache.k.dtype, cache.v.dtype))
+    _attend(np.zeros((1, 1, 1, LANES), np.float32), np.float32(1), k, v, np.ones(1, np.int64), np.empty((1, 1, 1, LANES), np.float32))

@@ -1,0 +1,88 @@
+"""The dense (f32, f16, bf16) CPU decode kernel (kvcli/cache/dense_decode.py): the reference's attention for one
+query token per sequence, in one compiled call, over the stored elements where they lie."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from kvcli.attention import Attention, attend_cpu_decode, attend_reference, cpu_decode_kernel
+from kvcli.cache import KVCache, dense_decode
+
+pytestmark = pytest.mark.skipif(not dense_decode.available(), reason="numba is not installed")
+HKV, G, D = 3, 3, 64
+
+
+def _cache(batch: int, k: str, v: str, head_dim: int = D, window: int | None = None) -> KVCache:
+    return KVCache(2, batch, HKV, 700, head_dim, k, v, window=window)
+
+
+def _fill(cache: KVCache, lens: list[int], g: torch.Generator) -> None:
+    """Row b holds lens[b] positions in layer 1 (an offset away from 0, as real keys have)."""
+    D = cache.k.head_dim
+    for b, n in enumerate(lens):
+        cache.rows(b, b + 1).store(1, torch.randn(1, n, HKV, D, generator=g) * 2 + 0.5,
+                                   torch.randn(1, n, HKV, D, generator=g), 0)
+
+
+@pytest.mark.parametrize("types", [("f16", "f16"), ("f32", "f32"), ("bf16", "bf16"), ("f16", "f32")])
+def test_rows_equal_the_reference(monkeypatch, types):
+    """Rows at their own positions, one past several of the online softmax's chunks: the reference's result."""
+    g = torch.Generator().manual_seed(0)
+    lens = [1, 40, dense_decode.CHUNK + 3, 2 * dense_decode.CHUNK + 100]
+    cache = _cache(len(lens), *types)
+    _fill(cache, lens, g)
+    called = []
+    monkeypatch.setattr(dense_decode, "attend", lambda *a, f=dense_decode.attend: called.append(1) or f(*a))
+    for step in range(5):
+        pos = torch.tensor([n + step for n in lens])
+        q = torch.randn(len(lens), 1, HKV * G, D, generator=g) * 3
+        assert cache.store(1, torch.randn(len(lens), 1, HKV, D, generator=g),
+                           torch.randn(len(lens), 1, HKV, D, generator=g), pos) is None  # dense: no window
+        got = Attention()(q, cache, 1, pos)
+        want = attend_reference(q, cache, 1, pos)
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
+    assert len(called) == 5  # the kernel ran, not the reference twice
+
+
+def test_one_position_for_every_row():
+    """`kvcli run`'s decode: an int position."""
+    g = torch.Generator().manual_seed(1)
+    cache = _cache(2, "f16", "f16")
+    cache.store(1, torch.randn(2, 300, HKV, D, generator=g), torch.randn(2, 300, HKV, D, generator=g), 0)
+    for pos in range(300, 305):
+        q = torch.randn(2, 1, HKV * G, D, generator=g)
+        cache.store(1, torch.randn(2, 1, HKV, D, generator=g), torch.randn(2, 1, HKV, D, generator=g), pos)
+        torch.testing.assert_close(attend_cpu_decode(q, cache, 1, pos), attend_reference(q, cache, 1, pos),
+                                   rtol=1e-5, atol=2e-5)
+
+
+def test_a_row_gets_the_same_bits_alone_and_beside_others():
+    """Each (sequence, head) is computed alone: the server's concurrent streams equal their solo runs."""
+    g = torch.Generator().manual_seed(2)
+    lens = [20, 90, 600]
+    cache = _cache(3, "f16", "f16")
+    _fill(cache, lens, g)
+    pos = torch.tensor(lens)
+    q = torch.randn(3, 1, HKV * G, D, generator=g)
+    cache.store(1, torch.randn(3, 1, HKV, D, generator=g), torch.randn(3, 1, HKV, D, generator=g), pos)
+    together = attend_cpu_decode(q, cache, 1, pos)
+    for b in range(3):
+        assert torch.equal(attend_cpu_decode(q[b : b + 1], cache.rows(b, b + 1), 1, pos[b : b + 1]),
+                           together[b : b + 1])
+        assert torch.equal(attend_cpu_decode(q[b : b + 1], cache.rows(b, b + 1), 1, lens[b]), together[b : b + 1])
+
+
+def test_what_the_kernel_declines_runs_the_reference(monkeypatch):
+    """-fa off, a window over dense stores, a head size its sums do not take, a quantized type: the reference."""
+    g = torch.Generator().manual_seed(3)
+    monkeypatch.setattr(dense_decode, "attend", lambda *a: pytest.fail("the kernel ran"))
+    cache = _cache(1, "f16", "f16")
+    cache.store(1, torch.randn(1, 50, HKV, D, generator=g), torch.randn(1, 50, HKV, D, generator=g), 0)
+    q = torch.randn(1, 1, HKV * G, D, generator=g)
+    torch.testing.assert_close(Attention(flash=False)(q, cache, 1, 49), attend_reference(q, cache, 1, 49, flash=False))
+    windowed = _cache(1, "f16", "f16", window=16)
+    recent = windowed.store(1, torch.randn(1, 50, HKV, D, generator=g), torch.randn(1, 50, HKV, D, generator=g), 0)
+    assert recent is not None and attend_cpu_decode(q, windowed, 1, 49, recent) is None
+    assert cpu_decode_kernel(_cache(1, "f16", "f16", head_dim=24)) is None
+    assert cpu_decode_kernel(_cache(1, "q8_0", "q8_0")) is None
