@@ -19,6 +19,7 @@ benchmarks/README.md).
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -39,6 +40,23 @@ INT4_GEMV_ROWS = {32: 96, 64: 256}
 def int4_gemv_rows() -> int:
     return INT4_GEMV_ROWS.get(tile_width(), 96)
 
+
+# Rows from which a smaller Int4 batch (a prompt's chunk, the server's prefills) dequantizes slabs of W to bf16
+# for a bf16 GEMM, where the CPU multiplies bf16 in hardware (about twice its f32 rate; the int4 kernel is no
+# faster than f32): the int4 kernel below (benchmarks/README.md). Its activations are bf16 already.
+BF16_ROWS = 40
+
+
+@functools.cache
+def native_bf16() -> bool:
+    """Does this CPU multiply bf16 in hardware (AVX512-BF16 or AMX, as /proc/cpuinfo lists them)?"""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_bf16" in flags or " amx_bf16" in flags
+
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
 _DENSE = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
 
@@ -58,13 +76,15 @@ SLAB_ELEMS = 4 << 20
 _SCRATCH = threading.local()
 
 
-def _scratch(n: int) -> torch.Tensor:
-    """n f32 elements of this thread's reusable buffer: a fresh matrix-sized tensor per product would cost
-    about as much in page faults as the dequantization into it (benchmarks/README.md)."""
-    buf = getattr(_SCRATCH, "buf", None)
+def _scratch(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """n elements of this thread's reusable buffer of that dtype: a fresh matrix-sized tensor per product would
+    cost about as much in page faults as the dequantization into it (benchmarks/README.md)."""
+    name = f"buf_{dtype}"
+    buf = getattr(_SCRATCH, name, None)
     if buf is None or buf.numel() < n:
         with torch.inference_mode(False):  # a plain tensor: written in place in and out of inference mode
-            buf = _SCRATCH.buf = torch.empty(n)
+            buf = torch.empty(n, dtype=dtype)
+            setattr(_SCRATCH, name, buf)
     return buf[:n]
 
 
@@ -155,23 +175,37 @@ class Int4:
         return self.packed.numel() + 2 * self.sz.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        if _rows(x) > int4_gemv_rows():  # f32 GEMMs over slabs of W dequantized, W.T's layout (a GEMM takes it as is)
-            Np, K = self.packed.shape[0], self.shape[1]
-            step = max(tile_width(), SLAB_ELEMS // K // tile_width() * tile_width())
-            parts = [x @ self._slab_t(s, min(s + step, Np)) for s in range(0, Np, step)]
-            y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # one slab: no copy
-            return y if Np == self.n else y[..., : self.n].contiguous()
+        rows = _rows(x)
+        if rows > int4_gemv_rows():  # f32 GEMMs over slabs of W dequantized, W.T's layout (a GEMM takes it as is)
+            return self._slab_products(x, torch.float32)
+        if rows >= BF16_ROWS and native_bf16():
+            return self._slab_products(x.bfloat16(), torch.bfloat16).float()
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed, GROUP, self.sz)
         if y.shape[1] != self.n:  # padding rows of the last tile
             y = y[:, : self.n]
         return y.float().view(*x.shape[:-1], self.n)
 
-    def _slab_t(self, start: int, stop: int) -> torch.Tensor:
-        """Rows start..stop-1 of W (whole tiles) as W.T (K, stop - start) f32, in the thread's scratch buffer.
+    def _slab_products(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """x @ W.T by slabs of W dequantized (to `dtype`, x's), each product taken before the next slab reuses
+        the scratch."""
+        Np, K = self.packed.shape[0], self.shape[1]
+        step = max(tile_width(), SLAB_ELEMS // K // tile_width() * tile_width())
+        parts = [x @ self._slab_t(s, min(s + step, Np), dtype) for s in range(0, Np, step)]
+        y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # one slab: no copy
+        return y if Np == self.n else y[..., : self.n].contiguous()
+
+    def _slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """Rows start..stop-1 of W (whole tiles) as W.T (K, stop - start) in `dtype` (f32, or bf16 for a bf16 GEMM:
+        in one compiled pass, kvcli/int4_dequant.py), in the thread's scratch buffer.
         A tile's bytes (K, T / 2) hold its rows j and j + T / 2 in the low and high nibbles, so W.T's
         columns come out of them in order. q s + (z - 8 s) is dequantize's (q - 8) s + z (z - 8 s is exact
         in f32 but for bf16 scale and zero points some 2^16 apart)."""
         T, K, n = tile_width(), self.shape[1], stop - start
+        if dtype == torch.bfloat16:
+            from kvcli import int4_dequant  # numba: loads where a batch first takes this path
+
+            if int4_dequant.available():
+                return int4_dequant.slab_bf16_t(self.packed, self.sz, start, stop, T, _scratch(K * n, dtype))
         tiles = self.packed[start:stop].view(n // T, K, T // 2).transpose(0, 1)  # (K, n / T, T / 2) bytes
         out = _scratch(K * n).view(K, n // T, 2, T // 2)
         out[:, :, 0].copy_(tiles & 15)
@@ -181,7 +215,9 @@ class Int4:
         zero = sz[..., 1] - 8 * scale
         w = out.view(K // GROUP, GROUP, n)
         torch.addcmul(zero[:, None], w, scale[:, None], out=w)
-        return out.view(K, n)
+        if dtype == torch.float32:
+            return out.view(K, n)
+        return _scratch(K * n, dtype).view(K, n).copy_(out.view(K, n))
 
     def codes(self) -> torch.Tensor:
         """(N_pad, K) uint8 codes, out of torch's tiles: byte (tile, k, j) holds rows T tile + j and + T / 2."""

@@ -7,6 +7,8 @@ import numpy as np
 import pytest
 import torch
 
+import kvcli.weights
+from kvcli import int4_dequant
 from kvcli.cache.int4_gemm import tile_width
 from kvcli.generate import Sampler
 from kvcli.gguf_file import open_gguf, read_tensor
@@ -260,3 +262,25 @@ def test_default_model_native_matches_f32(default_model):
         assert weight_bytes(llm.config, "f16", False, w, types) == llm.model.weight_bytes()
     assert llm.detokenize(out["native"]).startswith(" Paris")
     assert out["native"][:8] == out["f32"][:8]
+
+
+def test_int4_bf16_slabs_equal_torchs_dequantization(monkeypatch):
+    """The compiled bf16 slab (kvcli/int4_dequant.py) has torch's bits, whole and from a middle tile on; a batch
+    through it equals the f32 slab's product to bf16's precision."""
+    if tile_width() is None or not int4_dequant.available():
+        pytest.skip("no int4 CPU kernel layout or no numba here")
+    g = torch.Generator().manual_seed(0)
+    N, K = 3 * tile_width() - 5, 96
+    form = Int4.from_codes(torch.randint(0, 16, (N, K), generator=g, dtype=torch.uint8),
+                           torch.rand(N, K // 32, generator=g) * 0.1, torch.randn(N, K // 32, generator=g) * 0.05)
+    Np, T = form.packed.shape[0], tile_width()
+    compiled = form._slab_t(0, Np, torch.bfloat16).clone()
+    middle = form._slab_t(T, Np, torch.bfloat16).clone()
+    monkeypatch.setattr(int4_dequant, "available", lambda: False)
+    assert torch.equal(compiled, form._slab_t(0, Np, torch.bfloat16))
+    assert torch.equal(middle, compiled[:, T:])
+    monkeypatch.undo()
+    x = torch.randn(48, K, generator=g)
+    monkeypatch.setattr(kvcli.weights, "native_bf16", lambda: True)
+    want = x @ form.dequantize().T
+    torch.testing.assert_close(form.matmul(x), want, rtol=2e-2, atol=2e-2 * want.abs().max().item())

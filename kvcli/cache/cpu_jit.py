@@ -1,4 +1,4 @@
-"""What the CPU decode kernels (numba) share: the compile flags, fixed-order sums and 16-bit floats read as f32.
+"""What the CPU kernels (numba) share: the compile flags, fixed-order sums and 16-bit floats read and written.
 
 Sums run in LANES partial sums added in a fixed order (not fast-math reassociation), so a row's result does
 not depend on how many rows share a call: the server's sequences get the same bits alone and beside others.
@@ -75,26 +75,39 @@ def to_f32(x):
 if numba is not None:
 
     @intrinsic
-    def _half_bits(typingctx, x):
+    def _f32_from_f16(typingctx, x):
         def codegen(context, builder, signature, args):
             return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
 
         return types.float32(types.uint16), codegen
 
     @intrinsic
-    def _bf16_bits(typingctx, x):
+    def _f32_from_bf16(typingctx, x):
         def codegen(context, builder, signature, args):
             w = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
             return builder.bitcast(w, ir.FloatType())
 
         return types.float32(types.int16), codegen
 
+    @intrinsic
+    def bf16_from_f32(typingctx, x):
+        """f32 -> bf16 bits (uint16), rounded to nearest even as torch's conversion rounds (finite values)."""
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            u = builder.bitcast(args[0], i32)
+            odd = builder.and_(builder.lshr(u, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+            r = builder.add(builder.add(u, ir.Constant(i32, 0x7FFF)), odd)
+            return builder.trunc(builder.lshr(r, ir.Constant(i32, 16)), ir.IntType(16))
+
+        return types.uint16(types.float32), codegen
+
     @overload(to_f32, inline="always")
     def _to_f32(x):
         if x == types.float32:
             return lambda x: x
         if x == types.uint16:
-            return lambda x: _half_bits(x)
+            return lambda x: _f32_from_f16(x)
         if x == types.int16:
-            return lambda x: _bf16_bits(x)
+            return lambda x: _f32_from_bf16(x)
         return None
