@@ -86,3 +86,17 @@ def test_what_the_kernel_declines_runs_the_reference(monkeypatch):
     assert recent is not None and attend_cpu_decode(q, windowed, 1, 49, recent) is None
     assert cpu_decode_kernel(_cache(1, "f16", "f16", head_dim=24)) is None
     assert cpu_decode_kernel(_cache(1, "q8_0", "q8_0")) is None
+
+
+def test_several_threads_leave_deep_reads_to_the_reference(monkeypatch):
+    """With more than one thread, past THREADED_MAX_POSITIONS read the reference's threaded products cost less."""
+    g = torch.Generator().manual_seed(4)
+    cache = _cache(1, "f16", "f16")
+    cache.store(1, torch.randn(1, 200, HKV, D, generator=g), torch.randn(1, 200, HKV, D, generator=g), 0)
+    q = torch.randn(1, 1, HKV * G, D, generator=g)
+    monkeypatch.setattr(dense_decode, "THREADED_MAX_POSITIONS", 100)
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 2)
+    assert attend_cpu_decode(q, cache, 1, 199) is None
+    assert attend_cpu_decode(q, cache, 1, 50) is not None
+    monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
+    assert attend_cpu_decode(q, cache, 1, 199) is not None

@@ -19,6 +19,10 @@ import torch
 from kvcli.cache.cpu_jit import LANES, available, jit_reassociating, numba, to_f32
 
 CHUNK = 256  # positions scored at a time (the online softmax's step)
+# With several threads the reference spreads its products over them and, past about this many positions read
+# (all sequences together), beats this single-threaded kernel; on one thread the kernel is ahead at every depth
+# measured (benchmarks/README.md).
+THREADED_MAX_POSITIONS = 1024
 
 
 @jit_reassociating
@@ -95,12 +99,15 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor
 
 def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
     """attend_reference's result (B, 1, H * D) for q (B, 1, H, D) at pos (an int, or (B,) each sequence's own);
-    None with a window (`recent`: a dense pair keeps none unless asked, and then the reference reads it)."""
+    None with a window (`recent`: a dense pair keeps none unless asked, and then the reference reads it), and
+    with several threads past THREADED_MAX_POSITIONS."""
     if recent is not None:
         return None
     B, _, H, D = q.shape
     Hkv = cache.k.n_heads
     lim = (pos + 1).numpy() if torch.is_tensor(pos) else np.full(B, pos + 1, np.int64)
+    if torch.get_num_threads() > 1 and int(lim.sum()) > THREADED_MAX_POSITIONS:
+        return None
     return attend(q.reshape(B, Hkv, H // Hkv, D), cache, layer, lim).view(B, 1, H * D)  # (B, Hkv, G, D): T = 1
 
 
