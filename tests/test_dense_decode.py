@@ -8,6 +8,7 @@ import torch
 
 from kvcli.attention import Attention, attend_cpu_decode, attend_reference, cpu_decode_kernel
 from kvcli.cache import KVCache, dense_decode
+from tests.decode_checks import rows_match_reference
 
 pytestmark = pytest.mark.skipif(not dense_decode.available(), reason="numba is not installed")
 HKV, G, D = 3, 3, 64
@@ -31,18 +32,9 @@ def test_rows_equal_the_reference(monkeypatch, types):
     g = torch.Generator().manual_seed(0)
     lens = [1, 40, dense_decode.CHUNK + 3, 2 * dense_decode.CHUNK + 100]
     cache = _cache(len(lens), *types)
+    assert not cache.window  # dense stores: no window
     _fill(cache, lens, g)
-    called = []
-    monkeypatch.setattr(dense_decode, "attend", lambda *a, f=dense_decode.attend: called.append(1) or f(*a))
-    for step in range(5):
-        pos = torch.tensor([n + step for n in lens])
-        q = torch.randn(len(lens), 1, HKV * G, D, generator=g) * 3
-        assert cache.store(1, torch.randn(len(lens), 1, HKV, D, generator=g),
-                           torch.randn(len(lens), 1, HKV, D, generator=g), pos) is None  # dense: no window
-        got = Attention()(q, cache, 1, pos)
-        want = attend_reference(q, cache, 1, pos)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
-    assert len(called) == 5  # the kernel ran, not the reference twice
+    rows_match_reference(monkeypatch, dense_decode, cache, lens, 5, g)
 
 
 def test_one_position_for_every_row():

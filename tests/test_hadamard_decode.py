@@ -10,6 +10,7 @@ import kvcli.attention
 from kvcli.attention import Attention, attend_cpu_decode, attend_reference
 from kvcli.cache import KVCache, hadamard, hadamard_decode
 from kvcli.cache.hadamard import HadamardQ4Store
+from tests.decode_checks import rows_match_reference
 
 pytestmark = pytest.mark.skipif(not hadamard_decode.available(), reason="numba is not installed")
 HKV, G, D = 3, 3, 64
@@ -40,17 +41,7 @@ def test_rows_equal_the_reference(monkeypatch, tile, window):
     lens = [3, 12, 140, 400]
     cache = _cache(len(lens), window, tile)
     _fill(cache, lens, g)
-    called = []
-    monkeypatch.setattr(hadamard_decode, "attend", lambda *a, f=hadamard_decode.attend: called.append(1) or f(*a))
-    for step in range(20):
-        pos = torch.tensor([n + step for n in lens])
-        q = torch.randn(len(lens), 1, HKV * G, D, generator=g) * 3
-        recent = cache.store(1, torch.randn(len(lens), 1, HKV, D, generator=g) * 2 + 0.5,
-                             torch.randn(len(lens), 1, HKV, D, generator=g), pos)
-        got = Attention()(q, cache, 1, pos, recent)
-        want = attend_reference(q, cache, 1, pos, recent=recent)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)
-    assert len(called) == 20  # the kernel ran, not the reference twice
+    rows_match_reference(monkeypatch, hadamard_decode, cache, lens, 20, g)
 
 
 @pytest.mark.parametrize("window", [16, 0])
