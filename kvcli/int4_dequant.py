@@ -33,7 +33,8 @@ def _slab_bf16_t(tiles, scale, zero, out):
                 out[k, n0 + T2] = bf16_from_f32(np.float32(b >> 4) * scale[g, n0 + T2] + zero[g, n0 + T2])
 
 
-def slab_bf16_t(packed: torch.Tensor, sz: torch.Tensor, start: int, stop: int, tile: int, out: torch.Tensor) -> torch.Tensor:
+def slab_bf16_t(packed: torch.Tensor, sz: torch.Tensor, start: int, stop: int, tile: int,
+                out: torch.Tensor) -> torch.Tensor:
     """Rows start..stop-1 (whole tiles) of an Int4 form's packed (N_pad, K / 2) uint8 and sz (K / 32, N_pad, 2)
     bf16 -> W.T (K, stop - start) bf16, written into `out` (K * (stop - start) elements) and returned."""
     n, K = stop - start, 2 * packed.shape[1]

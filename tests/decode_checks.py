@@ -18,7 +18,8 @@ def rows_match_reference(monkeypatch, kernel, cache, lens: list[int], steps: int
     for step in range(steps):
         pos = torch.tensor([n + step for n in lens])
         q = torch.randn(B, 1, H * groups, D, generator=g) * 3
-        recent = cache.store(1, torch.randn(B, 1, H, D, generator=g) * 2 + 0.5, torch.randn(B, 1, H, D, generator=g), pos)
+        recent = cache.store(1, torch.randn(B, 1, H, D, generator=g) * 2 + 0.5, torch.randn(B, 1, H, D, generator=g),
+                             pos)
         got = Attention()(q, cache, 1, pos, recent)
         want = attend_reference(q, cache, 1, pos, recent=recent)
         torch.testing.assert_close(got, want, rtol=1e-5, atol=2e-5)

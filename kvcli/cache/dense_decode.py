@@ -27,8 +27,8 @@ THREADED_MAX_POSITIONS = 1024
 
 @jit_reassociating
 def _attend(qm, scale, kdat, vdat, lim, out):
-    """qm (B, H, G, D) f32, the query, scores scaled by `scale`; kdat, vdat (B, H, n_ctx, D): f32, or f16 / bf16 as uint16 / int16
-    bits; lim (B,) int64: positions 0..lim[b]-1 are read -> out (B, H, G, D) f32."""
+    """qm (B, H, G, D) f32, the query, scores scaled by `scale`; kdat, vdat (B, H, n_ctx, D): f32, or f16 / bf16
+    as uint16 / int16 bits; lim (B,) int64: positions 0..lim[b]-1 are read -> out (B, H, G, D) f32."""
     B, H, G, D = qm.shape
     s = np.empty((G, CHUNK), np.float32)
     rows = np.empty((CHUNK, D), np.float32)  # a chunk of keys, then of values, as f32
@@ -89,11 +89,12 @@ def covers(store) -> bool:
 
 
 def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor:
-    """qm (B, Hkv, G, D) f32, the query (scores scaled by 1 / sqrt(D) here); lim (B,) int64: each sequence reads positions 0..lim-1
-    -> the attention output (B, Hkv, G, D) f32."""
+    """qm (B, Hkv, G, D) f32, the query (scores scaled by 1 / sqrt(D) here); lim (B,) int64: each sequence reads
+    positions 0..lim-1 -> the attention output (B, Hkv, G, D) f32."""
     k, v = cache.k.data[layer], cache.v.data[layer]  # (B, Hkv, n_ctx, D): contiguous, a rows view's too
     out = np.empty(qm.shape, np.float32)
-    _attend(qm.contiguous().numpy(), np.float32(1 / math.sqrt(qm.shape[-1])), k.view(_BITS[k.dtype]).numpy(), v.view(_BITS[v.dtype]).numpy(), lim, out)
+    _attend(qm.contiguous().numpy(), np.float32(1 / math.sqrt(qm.shape[-1])), k.view(_BITS[k.dtype]).numpy(),
+            v.view(_BITS[v.dtype]).numpy(), lim, out)
     return torch.from_numpy(out)
 
 
@@ -112,9 +113,10 @@ def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) 
 
 
 def warm_up(cache) -> None:
-    """Load the kernel for this cache's store types now (from numba's cache: a fraction of a second; compiled the first
-    time: seconds), with the model, not in the first token's time."""
+    """Load the kernel for this cache's store types now (from numba's cache: a fraction of a second; compiled the
+    first time: seconds), with the model, not in the first token's time."""
     if numba is None:
         return
     k, v = (torch.zeros(1, 1, 1, LANES, dtype=t).view(_BITS[t]).numpy() for t in (cache.k.dtype, cache.v.dtype))
-    _attend(np.zeros((1, 1, 1, LANES), np.float32), np.float32(1), k, v, np.ones(1, np.int64), np.empty((1, 1, 1, LANES), np.float32))
+    z = np.zeros((1, 1, 1, LANES), np.float32)
+    _attend(z, np.float32(1), k, v, np.ones(1, np.int64), np.empty_like(z))
