@@ -42,8 +42,8 @@ def int4_gemv_rows() -> int:
 
 
 # Rows from which a smaller Int4 batch (a prompt's chunk, the server's prefills) dequantizes slabs of W to bf16
-# for a bf16 GEMM, where the CPU multiplies bf16 in hardware (about twice its f32 rate; the int4 kernel is no
-# faster than f32): the int4 kernel below (benchmarks/README.md). Its activations are bf16 already.
+# for a bf16 GEMM where the CPU multiplies bf16 in hardware (about twice its f32 rate, which the int4 kernel does
+# not pass); fewer rows stay with the int4 kernel (benchmarks/README.md). Its activations are bf16 already.
 BF16_ROWS = 40
 
 
@@ -56,6 +56,7 @@ def native_bf16() -> bool:
     except OSError:
         return False
     return " avx512_bf16" in flags or " amx_bf16" in flags
+
 
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
 _DENSE = {"f16": torch.float16, "f32": torch.float32, "bf16": torch.bfloat16}
