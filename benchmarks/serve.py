@@ -9,7 +9,9 @@ Every stream sends the same chat request (prompt i of PROMPTS for stream i), gre
 with `-np N -c N*1024`: each slot holds 1024 cells at every N (both servers split -c over the
 slots), and the 1-stream figure is not taxed by seven idle slots. Both get the same -t.
 A short warm-up request runs first; then --reps loads (3), each timed from the first request sent to
-the last token received; the table gives the medians of their figures. Columns:
+the last token received; the table gives the medians of their figures. With --interleave every server
+starts first and their loads alternate rep by rep (1, 2, 4, 8 streams, kvcli and llama-server), so that a
+drifting machine slows every row alike rather than the stream counts measured last. Columns:
   aggregate t/s   all streams' generated tokens / that wall time
   per-stream t/s  mean over streams of (tokens - 1) / (last token - first token): the rate one
                   client sees once its reply flows
@@ -24,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import os
 import shlex
@@ -201,6 +204,9 @@ def main() -> None:
     ap.add_argument("--ctx-slot", type=int, default=1024, help="cells per slot: -c is N times this")
     ap.add_argument("--reps", type=int, default=3,
                     help="loads per server (after its warm-up); the table gives their medians (a noisy machine)")
+    ap.add_argument("--interleave", action="store_true",
+                    help="start every server first and take their loads in turn, rep by rep, so that the machine's "
+                         "drift falls on every stream count alike (the ratios); several servers stay resident")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
     runs = [("kvcli", c) for c in args.caches.split(",") if c]
@@ -215,31 +221,58 @@ def main() -> None:
           f"{args.ctx_slot} cells per slot; load before: {os.getloadavg()[0]:.2f}")
     agg: dict[tuple[str, str, int], tuple[float, float]] = {}
     failed: dict[tuple[str, str, int], str] = {}
+    figures: dict[tuple[str, str, int], list[tuple[float, float]]] = {}
     # stream count outermost: the servers compared at one N run back to back, under the same load
-    for n_par in streams:
-        for kind, cache in runs:
-            port = free_port()
-            cmd = server_cmd(kind, cache, n_par, port, args)
-            print("$", shlex.join(cmd), flush=True)
-            try:
-                with Server(cmd, port, llama_env if kind == "llama-server" else None) as srv:
-                    ignore_eos = warm_up(srv.url, kind)
-                    figures = []
-                    for rep in range(args.reps):
-                        wall, got = asyncio.run(load(srv.url, n_par, args.n, ignore_eos, args.run_timeout, rep))
-                        tokens = sum(s.tokens for s in got)
-                        short = [s.tokens for s in got if s.tokens < args.n]
-                        if short:
-                            print(f"  note: {len(short)} of {n_par} streams ended short of {args.n}: {short}")
-                        per = sum((s.tokens - 1) / (s.last - s.first) for s in got if s.last > s.first) / len(got)
-                        figures.append((tokens / wall, per))
-                        print(f"  {kind} {cache}, {n_par} streams: {tokens} tokens in {wall:.2f} s", flush=True)
-            except (asyncio.TimeoutError, RuntimeError, httpx.HTTPError) as e:
-                # one load past its bound or refused: its row says so, the other rows still come
-                failed[(kind, cache, n_par)] = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
-                print(f"  {kind} {cache}, {n_par} streams: {failed[(kind, cache, n_par)]}: {str(e)[:300]}", flush=True)
-                continue
-            agg[(kind, cache, n_par)] = tuple(statistics.median(f[i] for f in figures) for i in range(2))
+    keys = [(kind, cache, n_par) for n_par in streams for kind, cache in runs]
+
+    def start(key, stack: contextlib.ExitStack):
+        """The server for key, warmed up (closed with the stack), or None with the key marked failed."""
+        kind, cache, n_par = key
+        port = free_port()
+        cmd = server_cmd(kind, cache, n_par, port, args)
+        print("$", shlex.join(cmd), flush=True)
+        try:
+            srv = stack.enter_context(Server(cmd, port, llama_env if kind == "llama-server" else None))
+            return srv, warm_up(srv.url, kind)
+        except (RuntimeError, httpx.HTTPError) as e:
+            failed[key] = "failed"
+            print(f"  {kind} {cache}, {n_par} streams: failed: {str(e)[:300]}", flush=True)
+            return None
+
+    def measure(key, srv, ignore_eos: bool, rep: int) -> None:
+        """One load against srv: its figures appended, or the key marked failed (its row says so)."""
+        kind, cache, n_par = key
+        try:
+            wall, got = asyncio.run(load(srv.url, n_par, args.n, ignore_eos, args.run_timeout, rep))
+        except (asyncio.TimeoutError, RuntimeError, httpx.HTTPError) as e:
+            failed[key] = "timeout" if isinstance(e, asyncio.TimeoutError) else "failed"
+            print(f"  {kind} {cache}, {n_par} streams: {failed[key]}: {str(e)[:300]}", flush=True)
+            return
+        tokens = sum(s.tokens for s in got)
+        short = [s.tokens for s in got if s.tokens < args.n]
+        if short:
+            print(f"  note: {len(short)} of {n_par} streams ended short of {args.n}: {short}")
+        per = sum((s.tokens - 1) / (s.last - s.first) for s in got if s.last > s.first) / len(got)
+        figures.setdefault(key, []).append((tokens / wall, per))
+        print(f"  {kind} {cache}, {n_par} streams: {tokens} tokens in {wall:.2f} s", flush=True)
+
+    if args.interleave:  # every server up at once, their loads taken in turn rep by rep: drift hits all alike
+        with contextlib.ExitStack() as stack:
+            up = {key: start(key, stack) for key in keys}
+            for rep in range(args.reps):
+                for key, started in up.items():
+                    if key not in failed:
+                        measure(key, *started, rep)
+    else:  # one server at a time, its loads back to back
+        for key in keys:
+            with contextlib.ExitStack() as stack:
+                started = start(key, stack)
+                for rep in range(args.reps):
+                    if key not in failed:
+                        measure(key, *started, rep)
+    for key, f in figures.items():
+        if key not in failed:
+            agg[key] = tuple(statistics.median(x[i] for x in f) for i in range(2))
 
     def llama_ref(cache: str, n_par: int):
         for c in (cache, "q4_0" if cache == "q4_hadamard" else None, "f16"):
