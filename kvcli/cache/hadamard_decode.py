@@ -201,18 +201,25 @@ def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) 
     MAX_POSITIONS (the int4 GEMM's products cost less there)."""
     B, _, H, D = q.shape
     Hkv = cache.k.n_heads
-    # as attend_reference: the store below lim (per sequence), the window above it
+    # as attend_reference: the store below lim (per sequence), the window above it; the deepest read checked
+    # first, from what is at hand (no tensor reduction a layer)
+    rows = torch.is_tensor(pos)
     if recent is None:
-        lim = pos + 1 if torch.is_tensor(pos) else torch.full((B,), pos + 1)
-        window = None
-    elif recent.masked is not None:  # rows at their own positions
-        lim, window = recent.lim.view(B), (recent.k, recent.v, recent.masked.view(B, -1))
+        deepest = int(pos.max()) + 1 if rows else pos + 1
+    elif recent.masked is not None:  # rows at their own positions: recent.high is their largest limit
+        deepest = recent.high
     else:  # one position for every row: the window is positions recent.start..pos, all read
-        first = max(pos - recent.size + 1, recent.start)
-        lim = torch.full((B,), first)
-        window = (recent.k, recent.v, torch.zeros(B, recent.k.shape[2], dtype=torch.bool))
-    if int(lim.max()) > MAX_POSITIONS:
+        deepest = max(pos - recent.size + 1, recent.start)
+    if deepest > MAX_POSITIONS:
         return None
+    if recent is None:
+        lim = pos + 1 if rows else torch.full((B,), pos + 1)
+        window = None
+    elif recent.masked is not None:
+        lim, window = recent.lim.view(B), (recent.k, recent.v, recent.masked.view(B, -1))
+    else:
+        lim = torch.full((B,), deepest)
+        window = (recent.k, recent.v, torch.zeros(B, recent.k.shape[2], dtype=torch.bool))
     qm = q.reshape(B, Hkv, H // Hkv, D) * (1.0 / math.sqrt(D))  # (B, Hkv, G, D): T = 1
     return attend(qm, cache, layer, lim, window).view(B, 1, H * D)
 
