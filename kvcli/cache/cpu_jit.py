@@ -72,6 +72,12 @@ def to_f32(x):
     raise NotImplementedError  # compiled only (the overload below)
 
 
+def from_f32(x, like):
+    """f32 x as an element of the dense store whose elements are like `like`: f32 as is, f16 bits (uint16)
+    through LLVM's half type and bf16 bits (int16), both rounded to nearest even as torch's conversions."""
+    raise NotImplementedError  # compiled only (the overload below)
+
+
 if numba is not None:
 
     @intrinsic
@@ -101,6 +107,30 @@ if numba is not None:
             return builder.trunc(builder.lshr(r, ir.Constant(i32, 16)), ir.IntType(16))
 
         return types.uint16(types.float32), codegen
+
+    @intrinsic
+    def _f16_from_f32(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+        return types.uint16(types.float32), codegen
+
+    @intrinsic
+    def _bf16_bits_signed(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return args[0]  # the same 16 bits, typed as a bf16 store's int16
+
+        return types.int16(types.uint16), codegen
+
+    @overload(from_f32, inline="always")
+    def _from_f32(x, like):
+        if like == types.float32:
+            return lambda x, like: x
+        if like == types.uint16:
+            return lambda x, like: _f16_from_f32(x)
+        if like == types.int16:
+            return lambda x, like: _bf16_bits_signed(bf16_from_f32(x))
+        return None
 
     @overload(to_f32, inline="always")
     def _to_f32(x):

@@ -40,6 +40,16 @@ class DenseStore(Store):
             return
         self.data[layer, :, :, pos : pos + x.shape[1]] = x.transpose(1, 2)
 
+    def store_pair(self, other: "DenseStore", layer: int, x: torch.Tensor, y: torch.Tensor,
+                   pos: int | torch.Tensor) -> None:
+        """One new token per sequence on the CPU: both in one compiled pass where numba is (dense_decode.put)."""
+        if x.shape[1] == 1 and x.device.type == "cpu":
+            from kvcli.cache import dense_decode  # imported here: numba loads only where a CPU kernel runs
+
+            if dense_decode.available():
+                return dense_decode.put(self, other, layer, x, y, pos)
+        super().store_pair(other, layer, x, y, pos)
+
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         return self.data[layer, :, :, start:end].float()  # a view (no copy) for f32
 

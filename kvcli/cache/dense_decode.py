@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import LANES, available, jit_reassociating, numba, to_f32
+from kvcli.cache.cpu_jit import LANES, available, from_f32, jit, jit_reassociating, numba, to_f32
 
 CHUNK = 256  # positions scored at a time (the online softmax's step)
 # With several threads the reference spreads its products over them and, past about this many positions read
@@ -80,6 +80,18 @@ def _attend(qm, scale, kdat, vdat, lim, out):
                     out[b, h, g, e] = acc[g, e] * inv
 
 
+@jit
+def _put(kdat, vdat, knew, vnew, pos):
+    """knew, vnew (B, H, D) f32 -> kdat, vdat (B, H, n_ctx, D) (as in _attend) at position pos[b] of sequence b."""
+    B, H, D = knew.shape
+    for b in range(B):
+        p = pos[b]
+        for h in range(H):
+            for e in range(D):
+                kdat[b, h, p, e] = from_f32(knew[b, h, e], kdat[b, h, p, e])
+                vdat[b, h, p, e] = from_f32(vnew[b, h, e], vdat[b, h, p, e])
+
+
 _BITS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
 
 
@@ -98,6 +110,14 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor
     return torch.from_numpy(out)
 
 
+def put(k_store, v_store, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
+    """Store.store_pair of one new token per sequence (k, v (B, 1, Hkv, D) f32, any strides) at pos, an int or
+    (B,) each sequence's own, in one compiled pass: the bits torch's conversions give, without their dozen ops."""
+    kd, vd = k_store.data[layer], v_store.data[layer]
+    p = pos.numpy() if torch.is_tensor(pos) else np.full(k.shape[0], pos, np.int64)
+    _put(kd.view(_BITS[kd.dtype]).numpy(), vd.view(_BITS[vd.dtype]).numpy(), k[:, 0].numpy(), v[:, 0].numpy(), p)
+
+
 def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
     """attend_reference's result (B, 1, H * D) for q (B, 1, H, D) at pos (an int, or (B,) each sequence's own);
     None with a window (`recent`: a dense pair keeps none unless asked, and then the reference reads it), and
@@ -106,7 +126,7 @@ def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) 
         return None
     B, _, H, D = q.shape
     Hkv = cache.k.n_heads
-    lim = (pos + 1).numpy() if torch.is_tensor(pos) else np.full(B, pos + 1, np.int64)
+    lim = pos.numpy() + 1 if torch.is_tensor(pos) else np.full(B, pos + 1, np.int64)
     if torch.get_num_threads() > 1 and int(lim.sum()) > THREADED_MAX_POSITIONS:
         return None
     return attend(q.reshape(B, Hkv, H // Hkv, D), cache, layer, lim).view(B, 1, H * D)  # (B, Hkv, G, D): T = 1
@@ -117,6 +137,9 @@ def warm_up(cache) -> None:
     first time: seconds), with the model, not in the first token's time."""
     if numba is None:
         return
-    k, v = (torch.zeros(1, 1, 1, LANES, dtype=t).view(_BITS[t]).numpy() for t in (cache.k.dtype, cache.v.dtype))
-    z = np.zeros((1, 1, 1, LANES), np.float32)
-    _attend(z, np.float32(1), k, v, np.ones(1, np.int64), np.empty_like(z))
+    k, v = (torch.zeros(2, 1, 1, LANES, dtype=t).view(_BITS[t]).numpy() for t in (cache.k.dtype, cache.v.dtype))
+    z = np.zeros((2, 1, 1, LANES), np.float32)
+    _attend(z, np.float32(1), k, v, np.ones(2, np.int64), np.empty_like(z))
+    new = np.zeros((2, 2, LANES), np.float32)[:, :1]  # a batch's new rows are strided (one sequence's contiguous)
+    for rows in (new, new[:1]):
+        _put(k, v, rows, rows, np.zeros(len(rows), np.int64))
