@@ -25,6 +25,7 @@ from kvcli.errors import KvcliError
 from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
 from kvcli.weights import WEIGHTS, load, resident_form
+from kvcli.weights import warm_up as weights_warm_up
 from kvcli.memory import check_fits, return_freed_memory
 from kvcli.model import Transformer, dtype_from_name
 from kvcli.models import pull_default
@@ -159,6 +160,8 @@ class Llama:
         kernel = cpu_decode_kernel(self.cache) if device == "cpu" and self.cache_spec.mode == "kv" else None
         if kernel is not None:
             kernel.warm_up(self.cache)  # the kernel loads with the model, not in the first token's time
+        if device == "cpu":
+            weights_warm_up(self.model, rows=1)  # so does decode's product kernel
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)

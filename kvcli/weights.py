@@ -12,9 +12,9 @@ Forms (chosen per tensor by `choose`, from its GGUF type):
   Blocks (CUDA) the same types as blocks of 32 in ggml's order with f16 scale and min, for the Triton
         decode kernel (kvcli/kernels/weights.py): int4_cuda (Q4_*) and int8_cuda (Q8_0).
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor.
-A decode step (few rows) multiplies the codes; a prefill batch dequantizes (to f32 on CPU, in slabs
-to the compute dtype on CUDA) and runs a GEMM (CPU int4/int8 kernels are GEMVs at heart; figures in
-benchmarks/README.md).
+A decode step (few rows) multiplies the codes: on a CPU with AVX512-BF16 up to 8 rows through kvcli's
+bf16-dot kernel (kvcli/int4_gemv.py), else torch's int4 GEMV; a prefill batch dequantizes (to bf16 or
+f32 on CPU, in slabs to the compute dtype on CUDA) and runs a GEMM (figures in benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -56,6 +56,27 @@ def native_bf16() -> bool:
     except OSError:
         return False
     return " avx512_bf16" in flags or " amx_bf16" in flags
+
+
+def _gemv_kernel():
+    from kvcli import int4_gemv  # imported here: numba loads only where the kernel may run
+
+    return int4_gemv
+
+
+@functools.cache
+def bf16_gemv_rows() -> int:
+    """Rows up to which Int4 and Int8 products (decode's) run kvcli's bf16-dot kernel (kvcli/int4_gemv.py: AVX512-BF16,
+    a tile width it reads), ahead of torch's int4 GEMV (benchmarks/README.md); 0 where it cannot run."""
+    return _gemv_kernel().MAX_ROWS if native_bf16() and _gemv_kernel().covers(tile_width()) else 0
+
+
+def warm_up(model, rows: int) -> None:
+    """Load decode's product kernel for up to `rows` rows at a time now (from numba's cache; compiled the first time
+    on a machine: seconds), where it will run: a CPU model with Int4 or Int8 matrices."""
+    forms = model.forms().values()
+    if bf16_gemv_rows() and any(isinstance(f, (Int4, Int8)) and f.packed.device.type == "cpu" for f in forms):
+        _gemv_kernel().warm_up(min(rows, bf16_gemv_rows()))
 
 
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
@@ -151,6 +172,7 @@ class Int4:
 
     def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int):
         self.packed, self.sz, self.n = packed, sz, n
+        self.operands = None  # kvcli/int4_gemv.py's views, made at the first product through it
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4:
@@ -181,6 +203,11 @@ class Int4:
             return self._slab_products(x, torch.float32)
         if rows >= BF16_ROWS and native_bf16():
             return self._slab_products(x.bfloat16(), torch.bfloat16).float()
+        if rows <= bf16_gemv_rows():
+            if self.operands is None:
+                self.operands = _gemv_kernel().Operands(self.packed[None], self.sz[None], tile_width())
+            y = self.operands.matmul(x.reshape(rows, -1).float())
+            return y[:, : self.n].reshape(*x.shape[:-1], self.n)
         y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed, GROUP, self.sz)
         if y.shape[1] != self.n:  # padding rows of the last tile
             y = y[:, : self.n]
@@ -267,6 +294,7 @@ class Int8:
     def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int, d: torch.Tensor):
         self.packed, self.sz, self.n, self.d = packed, sz, n, d
         self.parts = [Int4(p, z, n) for p, z in zip(packed, sz)]  # views
+        self.operands = None  # as Int4's
 
     @staticmethod
     def chunk(k: int) -> int:
@@ -300,6 +328,10 @@ class Int8:
             return torch.cat([F.linear(x, self._slab(s, min(s + SLAB_ROWS, N))) for s in range(0, N, SLAB_ROWS)], -1)
         P, _, C = self.packed.shape
         M = _rows(x)
+        if M <= bf16_gemv_rows():  # every part's product summed in f32 as it is made
+            if self.operands is None:
+                self.operands = _gemv_kernel().Operands(self.packed, self.sz, tile_width(), doubled=True)
+            return self.operands.matmul(x.reshape(M, K).float())[:, :N].reshape(*x.shape[:-1], N)
         # [x_c, x_c] for every part c in one copy: (P, M, 2 C), each part's operand contiguous
         x2 = x.reshape(M, P, 1, C).expand(M, P, 2, C).permute(1, 0, 2, 3).reshape(P, M, 2 * C).bfloat16()
         out = None

@@ -29,6 +29,7 @@ from kvcli.chat import common_prefix
 from kvcli.errors import KvcliError
 from kvcli.generate import Sampler
 from kvcli.memory import MIB, check_fits
+from kvcli.weights import warm_up as weights_warm_up
 
 log = logging.getLogger("kvcli.serve")
 
@@ -138,6 +139,8 @@ class Engine:
             check_fits(0, llm.config, llm.cache_spec, llm.n_ctx, n_slots - 1,
                        what=f"{n_slots} slots of {llm.n_ctx} tokens")
         self.slots = [Slot(i, c) for i, c in enumerate(slot_caches(llm, n_slots))]
+        if llm.device == "cpu":
+            weights_warm_up(self.model, n_slots)  # a step multiplies up to n_slots decode rows
         self.queue_size = 4 * n_slots if queue_size is None else queue_size
         self.pending: deque[Request] = deque()
         self.cond = threading.Condition()

@@ -1,0 +1,78 @@
+"""Decode's product kernel (kvcli/int4_gemv.py): a few rows of x times Int4 and Int8 forms, against x rounded to
+bf16 times W dequantized in f64, for every row count it takes; a row's bits alone and in a batch; views."""
+
+import pytest
+import torch
+
+import kvcli.weights
+from kvcli import int4_gemv
+from kvcli.cache.int4_gemm import tile_width
+from kvcli.weights import Int4, Int8
+from tests.test_weights import adversarial_blocks
+
+pytestmark = pytest.mark.skipif(not kvcli.weights.bf16_gemv_rows(),
+                                reason="the kernel needs AVX512-BF16, numba and torch's 32- or 64-wide int4 tiles")
+
+
+def _reference(form, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x rounded to bf16 times W as the kernel reads it, in f64 -> (product, a bound on f32's error). An Int8's W is
+    its Int4 parts' (bf16 scales: 2^-9 off its f16 ones), each over its columns twice. The kernel sums x (128 + q)
+    and takes 128 s sum x back off: the bound is 2^-20 of sum |x| (|W| + 136 s)."""
+    xb = x.bfloat16().double()
+    parts = form.parts if isinstance(form, Int8) else [form]
+    if isinstance(form, Int8):
+        xb = xb.unflatten(-1, (len(parts), -1)).repeat(1, 1, 2).flatten(-2)
+    w = torch.cat([p.dequantize() for p in parts], 1).double()
+    s = torch.cat([p.sz[:, : p.n, 0].T.double().repeat_interleave(32, 1) for p in parts], 1)
+    return (xb @ w.T).float(), (2.0**-20 * (xb.abs() @ (w.abs() + 136 * s.abs()).T) + 1e-6).float()
+
+
+def _forms(N: int, K: int) -> list:
+    codes, scale, zero = adversarial_blocks(N, K)
+    g = torch.Generator().manual_seed(1)
+    q = torch.randint(-128, 128, (N, K), generator=g, dtype=torch.int8)
+    d = torch.exp(torch.empty(N, K // 32).uniform_(-9, 3, generator=g)).half()
+    return [Int4.from_codes(codes, scale, zero), Int8.from_codes(q, d)]
+
+
+@pytest.mark.parametrize("N,K", [(64, 64), (40, 96), (96, 32), (200, 576)])  # N, K off the tile width too
+def test_rows_match_reference(N, K):
+    for form in _forms(N, K):
+        for M in range(1, int4_gemv.MAX_ROWS + 1):
+            x = torch.randn(1, M, K, generator=torch.Generator().manual_seed(M)) * 3
+            want, bound = _reference(form, x[0])
+            got = form.matmul(x)
+            assert got.shape == (1, M, N) and got.dtype == torch.float32
+            assert ((got[0] - want).abs() <= bound).all(), (type(form).__name__, M)
+
+
+def test_same_bits_alone_and_in_a_batch():
+    """The server's slots: a row's product does not depend on what shares the call (rows padded or not)."""
+    for form in _forms(128, 576):
+        x = torch.randn(int4_gemv.MAX_ROWS, 576, generator=torch.Generator().manual_seed(0))
+        together = form.matmul(x)
+        for M in (1, 3, 5):
+            assert torch.equal(form.matmul(x[:M]), together[:M])
+        for m in range(len(x)):
+            assert torch.equal(form.matmul(x[m : m + 1]), together[m : m + 1])
+
+
+def test_narrowed_forms_read_their_views():
+    """A narrowed Int4 or Int8 (the hidden-state cache's K/V slices of a fused matrix) keeps views of the codes."""
+    for form in _forms(256, 128):
+        part = form.narrow(64, 128)
+        x = torch.randn(2, 128, generator=torch.Generator().manual_seed(2))
+        want, bound = _reference(part, x)
+        assert ((part.matmul(x) - want).abs() <= bound).all()
+
+
+def test_more_rows_than_it_takes_use_torch(monkeypatch):
+    form = _forms(64, 64)[0]
+    monkeypatch.setattr(int4_gemv.Operands, "matmul", lambda *a: pytest.fail("the kernel ran"))
+    form.matmul(torch.randn(int4_gemv.MAX_ROWS + 1, 64))
+
+
+def test_rows_padding_and_tiles():
+    assert [int4_gemv.ROWS[m] for m in range(1, 9)] == [1, 2, 4, 4, 8, 8, 8, 8]
+    assert int4_gemv.covers(64) and int4_gemv.covers(32) and not int4_gemv.covers(16)
+    assert tile_width() in (32, 64)
