@@ -92,3 +92,22 @@ def test_several_threads_leave_deep_reads_to_the_reference(monkeypatch):
     assert attend_cpu_decode(q, cache, 1, 50) is not None
     monkeypatch.setattr(torch, "get_num_threads", lambda: 1)
     assert attend_cpu_decode(q, cache, 1, 199) is not None
+
+
+@pytest.mark.parametrize("dtype", ["f16", "bf16", "f32"])
+def test_decode_tokens_stored_as_torch_rounds_them(dtype):
+    """dense_decode.put (a decode token per sequence, at an int or per-row positions) writes the bits torch's
+    conversion gives: ties to even, subnormals, overflow to inf, signed zero."""
+    g = torch.Generator().manual_seed(7)
+    cache = _cache(3, dtype, dtype)
+    k = torch.randn(3, 1, HKV, D, generator=g) * torch.logspace(-9, 6, D)  # f16's subnormals to past its max
+    k[0, 0, 0, :4] = torch.tensor([-0.0, 1 + 2**-11, 1 + 3 * 2**-11, 65520.0])  # ties to even, f16's overflow
+    v = k.flip(-1) * 0.5
+    rows = cache.rows(1, 3)
+    rows.store(1, k[1:], v[1:], torch.tensor([5, 9]))  # per-row positions (the server's slots)
+    cache.rows(0, 1).store(1, k[:1], v[:1], 4)  # an int position (kvcli run)
+    want = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[dtype]
+    bits = torch.int32 if want == torch.float32 else torch.int16
+    for store, x in ((cache.k, k), (cache.v, v)):
+        for b, p in ((0, 4), (1, 5), (2, 9)):
+            assert torch.equal(store.data[1, b, :, p].view(bits), x[b, 0].to(want).view(bits))
