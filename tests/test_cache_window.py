@@ -191,7 +191,8 @@ def test_rows_at_their_own_positions_store_and_attend_as_each_alone(monkeypatch,
     """The server's slots are rows of one cache (KVCache.rows): a step's decode tokens, one per row at its own
     position (a young row inside its window, a row rewound to a prefix), store the bytes and attend to what
     each row's own cache would; with a window each row writes it to the store at its own steps
-    (Ring.push_rows), without one the stores write each row at its position (or, q4_hadamard, one by one)."""
+    (Ring.push_rows), without one the stores write each row at its position (q4_hadamard: row by row while a
+    row is in its sinks)."""
     monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 4)  # many store chunks: the online softmax over them
     monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 0)
     H, Dh = 2, 64

@@ -5,7 +5,7 @@ import torch
 
 from kvcli.cache import KVCache, hadamard, resolve_type
 from kvcli.cache.ggml_blocks import Q4_0Store
-from kvcli.cache.hadamard import N_SINK, quantize_q4_mse, rotation
+from kvcli.cache.hadamard import N_SINK, HadamardQ4Store, quantize_q4_mse, rotation
 from kvcli.llama import Llama
 from tiny import make_hf_model, write_gguf
 
@@ -138,3 +138,26 @@ def test_tile_layout_bytes(keys, tile):
             byte, high = data[e // W, t, e % (W // 2)], e % W >= W // 2
         assert int(byte >> 4 if high else byte & 15) == int(u[0, t, 0, e]), (t, e)
     assert torch.equal(store.codes(0, 0, n)[0, 0], u[0, :, 0])
+
+
+@pytest.mark.parametrize("window", [0, 16])
+def test_rows_store_a_step_as_each_alone(monkeypatch, window):
+    """The server's slots: a step's decode tokens at their own positions (one pass where every row writes one
+    token past the sinks, row by row otherwise: young rows, a window's flushes) leave the bytes each row's own
+    writes leave."""
+    H, D, lens = 3, 64, [2, 40, 57, 100]  # row 0 still in its sinks for the first steps
+    caches = [KVCache(2, 4, H, 300, D, "q4_hadamard", "q4_hadamard", window=window) for _ in range(2)]
+    for c in caches:
+        g = torch.Generator().manual_seed(1)
+        for r, n in enumerate(lens):
+            c.rows(r, r + 1).store(1, torch.randn(1, n, H, D, generator=g), torch.randn(1, n, H, D, generator=g), 0)
+    g = torch.Generator().manual_seed(0)
+    for step in range(40):
+        k, v = torch.randn(4, 1, H, D, generator=g), torch.randn(4, 1, H, D, generator=g)
+        pos = torch.tensor([n + step for n in lens])
+        caches[0].rows(0, 4).store(1, k, v, pos)
+        for r in range(4):
+            caches[1].rows(r, r + 1).store(1, k[r : r + 1], v[r : r + 1], int(pos[r]))
+    for s in ("k", "v"):
+        for name in HadamardQ4Store.batched:
+            assert torch.equal(getattr(getattr(caches[0], s), name), getattr(getattr(caches[1], s), name)), (s, name)

@@ -229,6 +229,11 @@ class KVCache:
             return None
         Hkv = k.shape[2]
         writes, w = self.ring.push_rows(layer, torch.cat([k, v], 2), pos.tolist(), pos % self.window)
+        if (len(writes) == k.shape[0] and all(wr.shape[1] == 1 for _, wr, _ in writes)
+                and self.k.per_row_positions and self.v.per_row_positions):  # a token a row: one write for all
+            kv = torch.cat([wr for _, wr, _ in writes])  # (B, 1, 2 Hkv, D), rows in order
+            self._write(layer, kv[:, :, :Hkv], kv[:, :, Hkv:], torch.tensor([w0 for _, _, w0 in writes]))
+            return Recent(w.data[:, :Hkv], w.data[:, Hkv:], w.low, self.window, w.masked, w.lim, w.high)
         for b, write, w0 in writes:
             self._write_row(b, layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
         return Recent(w.data[:, :Hkv], w.data[:, Hkv:], w.low, self.window, w.masked, w.lim, w.high)

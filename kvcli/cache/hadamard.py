@@ -150,6 +150,7 @@ class HadamardQ4Store(RotatedStore):
 
     name = "q4_hadamard"
     batched = ("data", "scale", "sink", "offset")
+    per_row_positions = True
     default_window = 16  # f16 recent window (kvcli/cache/window.py): from KLD per size, benchmarks/README.md
     block_size, block_bytes = 32, 18  # 16 bytes of codes and a bf16 scale per 32 elements: 4.5 bits
 
@@ -198,15 +199,54 @@ class HadamardQ4Store(RotatedStore):
             return quantize_codes(self.kernel_layout(), y)
         return quantize_vectors(y)
 
-    def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
+    def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
+        """pos: an int, or at decode (T = 1) a (B,) tensor, each sequence's own position (store_rows)."""
+        if torch.is_tensor(pos):
+            return self.store_rows((self,), layer, (x,), pos)
         self.put(layer, *self.quantize(self.prepare(layer, x, pos)), pos)
 
-    def store_pair(self, other: "HadamardQ4Store", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
+    def store_pair(self, other: "HadamardQ4Store", layer: int, x: torch.Tensor, y: torch.Tensor,
+                   pos: int | torch.Tensor) -> None:
         """K here, V in `other`, quantized in one pass (the scale search's ops run once per token)."""
+        if torch.is_tensor(pos):
+            return self.store_rows((self, other), layer, (x, y), pos)
         B = x.shape[0]
         u, d = self.quantize(torch.cat([self.prepare(layer, x, pos), other.prepare(layer, y, pos)]))
         self.put(layer, u[:B], d[:B], pos)
         other.put(layer, u[B:], d[B:], pos)
+
+    @staticmethod
+    def store_rows(stores: tuple, layer: int, xs: tuple, pos: torch.Tensor) -> None:
+        """xs[i] (B, 1, H, D) into stores[i] (K, or K and V), sequence b's token at position pos[b]: quantized in one
+        pass where every row is past the sinks with its offset set (the server's steady state), else row by row."""
+        if not (all(s.ready(layer) for s in stores) and int(pos.min()) >= stores[0].n_sink):
+            for b, p in enumerate(pos.tolist()):
+                one = [s.rows(b, b + 1) for s in stores]
+                if len(one) == 2:
+                    one[0].store_pair(one[1], layer, xs[0][b : b + 1], xs[1][b : b + 1], p)
+                else:
+                    one[0].store(layer, xs[0][b : b + 1], p)
+            return
+        # prepare's y = R x - c, past the sinks with the offsets set
+        y = torch.cat([s.to_storage(x.float()) - s.offset[layer] for s, x in zip(stores, xs)])  # (n B, 1, H, D)
+        u, d = stores[0].quantize(y)
+        B = xs[0].shape[0]
+        for i, s in enumerate(stores):
+            s.put_rows(layer, u[i * B : i * B + B, 0], d[i * B : i * B + B, 0], pos)
+
+    def put_rows(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: torch.Tensor) -> None:
+        """Codes u (B, H, D) and scales d (B, H, D / 32) of sequence b's token at position pos[b]."""
+        seqs = self.sequences(u.shape[0])
+        self.scale[layer, seqs, :, :, pos] = d.to(self.scale.dtype)
+        tw = self.tile
+        if self.keys:  # one nibble of D bytes each: positions p and p +- T / 2 share them
+            tile, col = pos // tw, pos % (tw // 2)
+            high = (pos % tw >= tw // 2).view(-1, 1, 1)
+            old = self.data[layer, seqs, :, tile, :, col]  # (B, H, D)
+            self.data[layer, seqs, :, tile, :, col] = torch.where(high, (old & 0x0F) | (u << 4), (old & 0xF0) | u)
+        else:
+            W = self.width
+            self.data[layer, seqs, :, :, pos] = int4_gemm.pack_pairs(u.unflatten(-1, (-1, W)))  # (B, H, D / W, W / 2)
 
     def put(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: int) -> None:
         """Codes u (B, T, H, D) and scales d (B, T, H, D / 32) into positions pos..pos+T-1."""
