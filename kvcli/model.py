@@ -19,6 +19,7 @@ from torch import nn
 
 from kvcli.cache.base import Cache
 from kvcli.config import ModelConfig
+from kvcli.rms_norm import rms_norm
 from kvcli.weights import Dense, cat
 
 
@@ -161,7 +162,7 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, cache: Cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
-        x = F.rms_norm(h, (c.n_embd,), self.attn_norm, c.rms_eps)
+        x = rms_norm(h, self.attn_norm, c.rms_eps)
         qkv = self.wqkv.matmul(x)  # (B, T, (H + 2*Hkv) * D)
         if self.bqkv is not None:  # qwen2
             qkv.add_(self.bqkv)
@@ -173,7 +174,7 @@ class Block(nn.Module):
         q, k, v = qkv.split((c.n_heads, c.n_kv_heads, c.n_kv_heads), 2)  # (B, T, H, D), (B, T, Hkv, D) x 2
         o = cache.attention(self.layer, q, k, v, x, pos)  # (B, T, H * D) f32
         h = h + self.wo.matmul(o)
-        x = F.rms_norm(h, (c.n_embd,), self.ffn_norm, c.rms_eps)
+        x = rms_norm(h, self.ffn_norm, c.rms_eps)
         gate, up = self.w_gate_up.matmul(x).chunk(2, dim=-1)
         return h + self.w_down.matmul(F.silu(gate) * up)
 
@@ -259,7 +260,7 @@ class Transformer(nn.Module):
             h = block(h, cache, pos, rot)
         if last_only:
             h = h[:, -1:]
-        h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps)
+        h = rms_norm(h, self.output_norm, self.c.rms_eps)
         return self.output.matmul(h)
 
     @torch.inference_mode()
@@ -278,7 +279,7 @@ class Transformer(nn.Module):
         for block in self.blocks:
             h = block(h, slots, 0, rot)
         h = h[:, torch.tensor(lengths, device=dev).cumsum(0) - 1]  # (1, len(ids), n_embd): each one's last token
-        h = F.rms_norm(h, (self.c.n_embd,), self.output_norm, self.c.rms_eps)
+        h = rms_norm(h, self.output_norm, self.c.rms_eps)
         return self.output.matmul(h)[0]
 
 
