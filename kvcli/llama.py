@@ -26,6 +26,7 @@ from kvcli.generate import Sampler, Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
 from kvcli.weights import WEIGHTS, load, resident_form
 from kvcli.weights import warm_up as weights_warm_up
+from kvcli.rms_norm import rms_norm
 from kvcli.memory import check_fits, return_freed_memory
 from kvcli.model import Transformer, dtype_from_name
 from kvcli.models import pull_default
@@ -161,7 +162,8 @@ class Llama:
         if kernel is not None:
             kernel.warm_up(self.cache)  # the kernel loads with the model, not in the first token's time
         if device == "cpu":
-            weights_warm_up(self.model, rows=1)  # so does decode's product kernel
+            weights_warm_up(self.model, rows=1)  # so do decode's product kernel and the norm's pass
+            rms_norm(torch.zeros(1, c.n_embd), self.model.output_norm, c.rms_eps)
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
