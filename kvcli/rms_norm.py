@@ -29,26 +29,19 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _compile(cpu_jit):
-    LANES = cpu_jit.LANES
+    LANES, dot = cpu_jit.LANES, cpu_jit.dot
 
     @cpu_jit.jit
     def norm(x_any, w, eps):
         x = x_any.reshape(-1, x_any.shape[-1])
         out = np.empty_like(x)
         n = x.shape[1]
+        whole = n - n % LANES
         lanes = np.empty(LANES, np.float32)
         for r in range(x.shape[0]):
             row = x[r]
-            lanes[:] = 0
-            e0 = 0
-            while e0 + LANES <= n:
-                for l in range(LANES):
-                    lanes[l] += row[e0 + l] * row[e0 + l]
-                e0 += LANES
-            s = np.float32(0)
-            for l in range(LANES):
-                s += lanes[l]
-            for e in range(e0, n):
+            s = dot(row, row, whole, lanes)
+            for e in range(whole, n):
                 s += row[e] * row[e]
             inv = np.float32(1) / np.sqrt(s / np.float32(n) + eps)
             for e in range(n):
