@@ -2,12 +2,22 @@
 
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from kvcli.attention import use_triton
 from kvcli.kernel_layout import Kind, KernelLayout
 from kvcli.memory import lazy_zeros
 from kvcli.cache.base import Store
+
+
+@functools.cache
+def _cpu_put():
+    """dense_decode.put where numba is, else None; looked up once (numba loads only where a CPU kernel runs)."""
+    from kvcli.cache import dense_decode
+
+    return dense_decode.put if dense_decode.available() else None
 
 
 class DenseStore(Store):
@@ -43,11 +53,9 @@ class DenseStore(Store):
     def store_pair(self, other: "DenseStore", layer: int, x: torch.Tensor, y: torch.Tensor,
                    pos: int | torch.Tensor) -> None:
         """One new token per sequence on the CPU: both in one compiled pass where numba is (dense_decode.put)."""
-        if x.shape[1] == 1 and x.device.type == "cpu":
-            from kvcli.cache import dense_decode  # imported here: numba loads only where a CPU kernel runs
-
-            if dense_decode.available():
-                return dense_decode.put(self, other, layer, x, y, pos)
+        put = _cpu_put() if x.shape[1] == 1 and x.device.type == "cpu" else None
+        if put is not None:
+            return put(self, other, layer, x, y, pos)
         super().store_pair(other, layer, x, y, pos)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
