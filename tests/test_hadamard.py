@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcli.cache import KVCache, hadamard, resolve_type
+from kvcli.cache import KVCache, hadamard, hadamard_quantize, resolve_type
 from kvcli.cache.ggml_blocks import Q4_0Store
 from kvcli.cache.hadamard import N_SINK, HadamardQ4Store, quantize_q4_mse, rotation
 from kvcli.llama import Llama
@@ -26,6 +26,29 @@ def test_mse_scale_never_worse_than_ggml_q4_0():
     err_ours, err_ggml = ((x - ours) ** 2).sum(-1), ((x - ggml) ** 2).sum(-1)
     assert (err_ours <= err_ggml * 1.01 + 1e-6).all()  # 1%: the refit scale is rounded to bf16, ggml's to fp16
     assert err_ours.mean() < 0.9 * err_ggml.mean()
+
+
+@pytest.mark.skipif(not hadamard_quantize.available(), reason="numba is not installed")
+def test_compiled_scale_search_matches_torch():
+    """The CPU's compiled search (the store's path) against quantize_vectors' torch ops: the same codes and scales,
+    bar blocks where an f32 sum, ordered differently, rounds across a bf16 boundary (then the squared error
+    matches); blocks of zeros, ties of magnitude, tiny and huge scales included; a block alone gets its bits."""
+    g = torch.Generator().manual_seed(0)
+    y = torch.randn(16, 17, 3, 64, generator=g) * torch.rand(16, 17, 3, 64, generator=g) ** 3 * 5
+    y[0, 0, 0, :32] = 0
+    y[0, 1, 0, :32] = torch.tensor([1.0, -1.0] * 16)  # the largest magnitude tied: the first is m
+    y[1] *= 1e-30
+    y[2] *= 1e20
+    u, d = hadamard_quantize.quantize(y, hadamard._SCALE_GRID_F32)
+    u_ref, d_ref = hadamard.quantize_vectors(y)
+    assert u.shape == u_ref.shape and d.shape == d_ref.shape and u.dtype == torch.uint8
+    differ = (u != u_ref).view(-1, 32).any(-1) | (d != d_ref).view(-1)
+    assert int(differ.sum()) <= differ.numel() // 1000
+    err = ((y.view(-1, 32) - d.view(-1, 1) * (u.view(-1, 32).float() - 8)) ** 2).sum(-1)
+    err_ref = ((y.view(-1, 32) - d_ref.view(-1, 1) * (u_ref.view(-1, 32).float() - 8)) ** 2).sum(-1)
+    assert torch.allclose(err, err_ref, rtol=1e-5, atol=0)
+    one = hadamard_quantize.quantize(y[3:4, 5:6], hadamard._SCALE_GRID_F32)
+    assert torch.equal(one[0], u[3:4, 5:6]) and torch.equal(one[1], d[3:4, 5:6])
 
 
 @pytest.mark.parametrize("tile", [32, 64])  # the bytes do not depend on the CPU's tile width

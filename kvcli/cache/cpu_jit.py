@@ -36,6 +36,19 @@ def jit_reassociating(f):
     return numba.njit(cache=True, nogil=True, fastmath=FAST | {"reassoc"})(f) if numba is not None else f
 
 
+def exact_jit(f):
+    """numba without reassociation, reciprocals or contraction: divisions divided, products rounded apart from the
+    sums, as torch's ops (what a test reproduces bit for bit). numpy's error model: a division is not checked for
+    zero (that check keeps a loop from vectorizing; the callers' divisors are never zero)."""
+    if numba is None:
+        return f
+    return numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"nnan", "ninf", "nsz"})(f)
+
+
+# v + RNE - RNE is v rounded half to even for |v| < 2^22: a vector op, where np.rint is a libm call an element
+RNE = np.float32(1.5 * 2**23)
+
+
 @jit
 def dot(x, y, n, lanes):
     """sum_e x[e] y[e] over e < n (n a multiple of LANES) in LANES partial sums, added in order; lanes: scratch."""

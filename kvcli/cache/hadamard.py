@@ -30,7 +30,7 @@ from typing import ClassVar
 import torch
 
 from kvcli.attention import use_triton
-from kvcli.cache import block_products, int4_gemm
+from kvcli.cache import block_products, hadamard_quantize, int4_gemm
 from kvcli.memory import lazy_zeros
 from kvcli.cache.base import Store
 from kvcli.kernel_layout import Kind, KernelLayout
@@ -44,6 +44,7 @@ N_SINK = 4
 GEMM_MIN_POSITIONS = {True: 128, False: 384}
 # Scales tried per block, as fractions of ggml's q4_0 scale max / -8, each refit by least squares.
 _SCALE_GRID = torch.linspace(0.70, 1.10, 9)
+_SCALE_GRID_F32 = _SCALE_GRID.numpy()  # the CPU pass's operand
 
 
 def rotation(dim: int, seed: int = 0) -> torch.Tensor:
@@ -192,11 +193,14 @@ class HadamardQ4Store(RotatedStore):
         return self.data[layer], self.scale[layer], self.sink[layer], self.offset[layer, :, 0]
 
     def quantize(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """quantize_vectors, through its Triton kernel on CUDA (imported there only: triton)."""
+        """quantize_vectors, through its Triton kernel on CUDA (imported there only: triton), its compiled
+        pass on the CPU (kvcli/cache/hadamard_quantize.py)."""
         if use_triton(y):
             from kvcli.kernels.quantize import quantize_codes
 
             return quantize_codes(self.kernel_layout(), y)
+        if y.device.type == "cpu" and hadamard_quantize.available():
+            return hadamard_quantize.quantize(y, _SCALE_GRID_F32)
         return quantize_vectors(y)
 
     def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
