@@ -1,15 +1,18 @@
-"""Decode's products on the CPU: a few rows of x times an Int4 form (or an Int8's Int4 parts) through AVX512-BF16
-dot products, in one compiled pass (numba; the inner block written as LLVM vectors, which numba's own loops do not
-make of 4-bit codes).
+"""Decode's products on the CPU: a few rows of x times an Int4 form (or an Int8's Int4 parts) through AVX512-VNNI
+byte dot products, in one compiled pass (numba; the inner block written as LLVM vectors, which numba's own loops do
+not make of 4-bit codes).
 
 torch's int4 GEMV widens every code to f32 and spends an f32 FMA per row on each; rows cost it nearly as much as
-the first. Here a chunk of a tile (16 bytes of two columns: 64 codes) becomes bf16 once for every row, as 128 + q
-(exact: 0x4300 | q), and each row takes it in two bf16 dot instructions (vdpbf16ps: 32 products each, f32 sums
-kept in registers over a 32-column block); then, per block, y += s (x . (128 + q)) + (z - 136 s) sum x, which is
-x . ((q - 8) s + z). x is rounded to bf16 as torch's GEMV rounds it; y is f32 (torch's is bf16). The codes stream
-from memory, so each block asks for the bytes PREFETCH ahead. Every row is computed in the same order whatever
-shares the call: a row's bits are the same alone and beside others (the server's slots). Figures:
-benchmarks/README.md.
+the first. Here x is taken per 32 columns as integers xi = x / sx (sx = max |x| / 32512, so |xi| <= 127 * 256)
+in two int8 limbs, xi = 256 hi + lo: 15-bit activations, finer than bf16's 8 bits where a block's values are
+within 2^7 of its largest (one int8 limb, llama.cpp's q8 activations, turned a chat's answer: an outlier leaves
+the rest of its block a few levels). Four columns of a tile (16 bytes each) become one vector of 16 rows' four
+codes once for every row of x; each row takes it in one instruction a limb (vpdpbusd: 64 products of unsigned
+codes by signed limbs, summed by four into int32 lanes kept in registers over a 32-column block); then, per
+block, y += s sx (xi . q) + (z - 8 s) sx sum xi, which is (sx xi) . ((q - 8) s + z). The integer sums are exact,
+y is f32. The codes stream from memory, so each block asks for the bytes PREFETCH ahead. Every row is computed in the
+same order whatever shares the call: a row's bits are the same alone and beside others (the server's slots).
+Figures: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -19,16 +22,17 @@ import threading
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import available, bf16_from_f32, jit, numba, to_f32
+from kvcli.cache.cpu_jit import RNE, available, exact_jit, jit, numba
 
 __all__ = ["MAX_ROWS", "Operands", "available", "covers", "warm_up"]
 
-CHUNK = 16  # bytes of a tile row unpacked at a time: 16 codes of its first half and 16 of its second
+CHUNK = 16  # bytes of a tile row unpacked at a time: 16 rows' codes in the low nibbles and 16 in the high
 GROUP = 32  # columns per scale (Int4's)
-MAX_ROWS = 8  # rows of x per call: two f32 vectors of sums each stay in registers
+MAX_ROWS = 8  # rows of x per call: two int32 vectors of sums each stay in registers
 PREFETCH = 2048  # bytes ahead in a form's codes that a block asks for (1-8 KB measured: 2 KB the best here)
 TILES_AT_ONCE = 32  # Int8's parts: 32 tiles' rows of y (<= 64 KB) are summed over every part before the next
 ROWS = {m: 1 << (m - 1).bit_length() for m in range(1, MAX_ROWS + 1)}  # padded to the compiled counts
+X_RANGE = 127 * 256  # |x| of a block's largest element as integer limbs 256 hi + lo: hi = (xi + 128) >> 8 fits int8
 
 
 def covers(tile: int | None) -> bool:
@@ -43,28 +47,29 @@ if numba is not None:
     from numba.extending import intrinsic
 
     @intrinsic
-    def _block(typingctx, tiles, p, i, g, x, sz, xsum, y):
-        """y[m, T i + n] += s (x[m] . q) + (z - 8 s) xsum[m, g] over block g's columns k (32 g <= k < 32 g + 32)
-        for every row n of tile i: q its codes, s and z its scale and zero point. Per chunk of CHUNK bytes of a
-        tile row (its rows c.. in the low nibbles, T / 2 + c.. in the high ones), each row of x keeps its two
-        vectors of sums in registers over the block's 32 columns.
+    def _block(typingctx, tiles, p, i, g, x, sz, xs, y):
+        """y[m, T i + n] += s sx[m] (xi[m] . q) + (z - 8 s) sx[m] sum xi[m] over block g's columns k
+        (32 g <= k < 32 g + 32) for every row n of tile i: q its codes, s and z its scale and zero point; xi[m] the
+        block of x[m] as integers (x ~ sx[m] xi[m], xi = 256 hi + lo). Per chunk of CHUNK bytes of a tile row (its
+        rows c.. in the low nibbles, T / 2 + c.. in the high ones), four columns at a time become one vector of 16
+        rows' 4 codes each, and each row of x takes it once a limb into int32 sums kept in registers over the
+        block's 32 columns (256 (hi . q) + lo . q: below 2^24, exact as f32).
         Part p of a form whose K columns come in P parts of Kp (Int8's; Int4: one); each tile row and each row of sz
-        contiguous (a narrowed form's are views), the rest C-contiguous: tiles (P, NT,
-        Kp, T / 2) uint8; x a tuple of M (P, Kp / 2) int32 rows, bf16 pairs; sz (P, Kp / 32, N_pad) int32, bf16 s
-        (low half) and z (high half); xsum (M, P, Kp / 32) f32, each block's sum of x; y (M, N_pad) f32."""
+        contiguous (a narrowed form's are views), the rest C-contiguous: tiles (P, NT, Kp, T / 2) uint8; x a tuple
+        of 2 M (P, Kp / 4) int32 rows, 4 int8 each: the M rows' hi, then their lo; sz (P, Kp / 32, N_pad) int32, bf16
+        s (low half) and z (high half); xs (M, P, Kp / 32, 2) f32: each block's sx and sx sum xi; y (M, N_pad) f32."""
         if not isinstance(x, types.UniTuple):
             return None
-        M = x.count
+        M = x.count // 2
 
         def codegen(context, builder, sig, args):
-            f32, i8, i16, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(16), ir.IntType(32), ir.IntType(64)
+            f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
             vb, vf, vi = ir.VectorType(i8, CHUNK), ir.VectorType(f32, CHUNK), ir.VectorType(i32, CHUNK)
-            pairs = ir.VectorType(i8, 2 * CHUNK)
-            words = ir.VectorType(i16, 2 * CHUNK)
+            quad = ir.VectorType(i8, 4 * CHUNK)
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{CHUNK}f32")
-            # acc + the sums of bf16 pairs: lane l += a[2 l] b[2 l] + a[2 l + 1] b[2 l + 1] (AVX512-BF16's vdpbf16ps)
-            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf, vi, vi]),
-                                                 "llvm.x86.avx512bf16.dpbf16ps.512")
+            # acc + the sums of 4 products of unsigned by signed bytes: lane l += sum_c a[4 l + c] b[4 l + c] (VNNI)
+            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                 "llvm.x86.avx512.vpdpbusd.512")
             c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
             t, sza, xsa, ya = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 5, 6, 7))
             P, _, K, T2 = cgutils.unpack_tuple(builder, t.shape, 4)
@@ -78,9 +83,9 @@ if numba is not None:
             zP, zG, _ = cgutils.unpack_tuple(builder, sza.strides, 3)
             z_row = builder.udiv(builder.add(builder.mul(ip, zP), builder.mul(g, zG)), c64(4))  # sz[p, g, 0], int32s
             n0 = builder.mul(ig, builder.mul(T2, c64(2)))  # the tile's first row
-            xk = builder.add(builder.mul(ip, builder.udiv(K, c64(2))), builder.udiv(k0, c64(2)))
-            xs = [builder.gep(context.make_array(sig.args[4].dtype)(context, builder, a).data, [xk])
-                  for a in cgutils.unpack_tuple(builder, args[4], M)]  # x[m]'s pair (k0, k0 + 1) of part p
+            xk = builder.add(builder.mul(ip, builder.udiv(K, c64(4))), builder.udiv(k0, c64(4)))
+            xq = [builder.gep(context.make_array(sig.args[4].dtype)(context, builder, a).data, [xk])
+                  for a in cgutils.unpack_tuple(builder, args[4], 2 * M)]  # x[m]'s limbs' columns k0.. of part p
             pg = builder.add(builder.mul(ip, G), g)  # block g of part p
             lane0 = ir.Constant(vi, [0] * CHUNK)
 
@@ -91,9 +96,10 @@ if numba is not None:
             def vec(ptr, at, ty):
                 return builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer())
 
-            zip_ = ir.Constant(ir.VectorType(i32, 2 * CHUNK), [j for l in range(CHUNK) for j in (l, CHUNK + l)])
-            low, four = ir.Constant(pairs, [15] * 2 * CHUNK), ir.Constant(pairs, [4] * 2 * CHUNK)
-            bias = ir.Constant(words, [0x4300] * 2 * CHUNK)  # bf16 128 + q for a code q: 0x4300 | q
+            # columns k..k + 3 of CHUNK rows, as loaded one after the other -> row l's four codes in lane l
+            pair_up = ir.Constant(ir.VectorType(i32, 2 * CHUNK), list(range(2 * CHUNK)))
+            lanes = ir.Constant(ir.VectorType(i32, 4 * CHUNK), [CHUNK * c + l for l in range(CHUNK) for c in range(4)])
+            low, four = ir.Constant(quad, [15] * 4 * CHUNK), ir.Constant(quad, [4] * 4 * CHUNK)
             # the memory ahead, asked for now: the codes stream from DRAM, which this loop alone does not keep busy
             prefetch = cgutils.get_or_insert_function(
                 builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch")
@@ -107,78 +113,107 @@ if numba is not None:
                 builder.call(prefetch, [line, read, keep, data])
             with cgutils.for_range(builder, builder.udiv(T2, c64(CHUNK))) as loop:
                 c = builder.mul(loop.index, c64(CHUNK))
-                acc = [[ir.Constant(vf, [0.0] * CHUNK)] * 2 for _ in range(M)]
-                for k in range(0, GROUP, 2):
+                acc = [[[ir.Constant(vi, [0] * CHUNK)] * 2 for _ in range(2)] for _ in range(M)]  # [m][limb][h]
+                for k in range(0, GROUP, 4):
                     at = builder.add(builder.add(row0, builder.mul(c64(k), sK)), c)
-                    b0 = builder.load(vec(t.data, at, vb), align=1)
-                    b1 = builder.load(vec(t.data, builder.add(at, sK), vb), align=1)
-                    b = builder.shuffle_vector(b0, b1, zip_)  # bytes of columns k, k + 1 of each row, side by side
-                    codes = [builder.bitcast(builder.or_(builder.zext(h, words), bias), vi)
-                             for h in (builder.and_(b, low), builder.lshr(b, four))]
-                    for m in range(M):  # x[m]'s bf16 pair (k0 + k, k0 + k + 1), loaded here (not all held)
-                        xv = splat(builder.load(builder.gep(xs[m], [c64(k // 2)])), vi)
-                        acc[m] = [builder.call(dot, [acc[m][h], xv, codes[h]]) for h in (0, 1)]
+                    b = [builder.load(vec(t.data, builder.add(at, builder.mul(c64(j), sK)), vb), align=1)
+                         for j in range(4)]
+                    b = builder.shuffle_vector(builder.shuffle_vector(b[0], b[1], pair_up),
+                                               builder.shuffle_vector(b[2], b[3], pair_up), lanes)
+                    codes = [builder.bitcast(h, vi) for h in (builder.and_(b, low),
+                                                              builder.and_(builder.lshr(b, four), low))]
+                    for m in range(M):  # x[m]'s limbs' int8 columns k0 + k..k0 + k + 3, loaded here (not all held)
+                        for limb in (0, 1):
+                            xv = splat(builder.load(builder.gep(xq[limb * M + m], [c64(k // 4)])), vi)
+                            acc[m][limb] = [builder.call(dot, [acc[m][limb][h], codes[h], xv]) for h in (0, 1)]
                 for h in (0, 1):
                     n = builder.add(builder.add(n0, c), builder.mul(c64(h), T2))  # rows n.. of W
                     pair = builder.load(vec(sza.data, builder.add(z_row, n), vi), align=4)
                     scale = builder.bitcast(builder.shl(pair, ir.Constant(vi, [16] * CHUNK)), vf)
                     zero = builder.bitcast(builder.and_(pair, ir.Constant(vi, [-65536] * CHUNK)), vf)
-                    # x . (q - 8) s + z = s (x . (128 + q)) + (z - 136 s) sum x
-                    offset = builder.call(fma, [ir.Constant(vf, [-136.0] * CHUNK), scale, zero])
+                    # x . ((q - 8) s + z) = s sx (xq . q) + (z - 8 s) sx sum xq
+                    offset = builder.call(fma, [ir.Constant(vf, [-8.0] * CHUNK), scale, zero])
                     for m in range(M):
-                        at = builder.add(builder.mul(c64(m), builder.mul(P, G)), pg)  # xsum[m, p, g]
+                        at = builder.mul(builder.add(builder.mul(c64(m), builder.mul(P, G)), pg), c64(2))  # xs[m, p, g]
                         sx = splat(builder.load(builder.gep(xsa.data, [at])), vf)
+                        sq = splat(builder.load(builder.gep(xsa.data, [builder.add(at, c64(1))])), vf)
                         yp = vec(ya.data, builder.add(builder.mul(c64(m), n_pad), n), vf)
-                        out = builder.call(fma, [acc[m][h], scale, builder.load(yp, align=4)])
-                        builder.store(builder.call(fma, [sx, offset, out]), yp, align=4)
+                        whole = builder.add(builder.shl(acc[m][0][h], ir.Constant(vi, [8] * CHUNK)), acc[m][1][h])
+                        out = builder.call(fma, [builder.sitofp(whole, vf), builder.fmul(scale, sx),
+                                                 builder.load(yp, align=4)])
+                        builder.store(builder.call(fma, [sq, offset, out]), yp, align=4)
             return context.get_dummy_value()
 
-        return types.none(tiles, p, i, g, x, sz, xsum, y), codegen
+        return types.none(tiles, p, i, g, x, sz, xs, y), codegen
 
 
-@jit
-def _gemv(tiles, sz, x, doubled, xb, pairs, xsum, y):
-    """y (rows, N_pad) f32 = x W.T, TILES_AT_ONCE tiles at a time (their rows of y stay in cache over every part,
-    and each part's bytes of them are read in one run).
-    tiles (P, NT, Kp, T / 2) uint8, byte (p, i, k, j) holding the codes of column Kp p + k of W's rows T i + j (low
-    nibble) and T i + j + T / 2 (high); sz (P, Kp / 32, N_pad) int32, bf16 bits of each block's scale s (low half)
-    and zero point z (high), W = (q - 8) s + z; x (M, K) f32, M <= rows. doubled (Int8's parts): part p's columns
-    are x's Kp / 2 columns of it twice (K = P Kp / 2), else x's Kp of it. Scratch: xb (rows, P Kp) int16, x as the
-    kernel reads it (bf16; rows past M zero); pairs, a tuple of its rows as (P, Kp / 2) int32 (bf16 pairs); xsum
-    (rows, P, Kp / 32) f32, each block's sum."""
+@exact_jit
+def quantize_rows(x, doubled, xq, xs):
+    """x (M, K) f32 -> xq (2, rows, P Kp) int8 and xs (rows, P, Kp / 32, 2) f32, what the kernel reads: each block of
+    32 columns of x as integers xi = 256 hi + lo (|xi| <= 127 * 256; hi, lo int8 in xq[0], xq[1]) with a scale
+    sx = max |x| / 32512 (xi = x (1 / sx) rounded to nearest even; all 0 where the block is), and (sx, sx sum xi);
+    rows past M zero. doubled (Int8's parts): part p's columns are x's Kp / 2 columns of it twice (K = P Kp / 2),
+    else x's Kp of it. Exact IEEE arithmetic (no fast-math): the tests reproduce it."""
     M = x.shape[0]
-    rows, P, G = xsum.shape
+    rows, P, G, _ = xs.shape
     Kp = G * GROUP
     C = Kp // 2 if doubled else Kp
     for m in range(rows):
         for p in range(P):
             for g in range(G):
-                a = np.float32(0)
+                k0 = Kp * p + GROUP * g
+                amax = np.float32(0)
+                if m < M:
+                    for k in range(GROUP * g, GROUP * g + GROUP):
+                        amax = max(amax, abs(x[m, C * p + k % C]))
+                if amax == 0:
+                    xq[:, m, k0 : k0 + GROUP] = 0
+                    xs[m, p, g, 0] = 0
+                    xs[m, p, g, 1] = 0
+                    continue
+                sx = amax / np.float32(X_RANGE)
+                inv = np.float32(1) / sx
+                total = 0
                 for k in range(GROUP * g, GROUP * g + GROUP):
-                    v = bf16_from_f32(x[m, C * p + k % C]) if m < M else np.uint16(0)
-                    xb[m, Kp * p + k] = v
-                    a += to_f32(np.int16(v))
-                xsum[m, p, g] = a
+                    xi = min(max(np.int32((x[m, C * p + k % C] * inv + RNE) - RNE), -X_RANGE), X_RANGE)
+                    hi = (xi + 128) >> 8
+                    xq[0, m, k0 + k - GROUP * g] = hi
+                    xq[1, m, k0 + k - GROUP * g] = xi - 256 * hi
+                    total += xi
+                xs[m, p, g, 0] = sx
+                xs[m, p, g, 1] = sx * np.float32(total)
+
+
+@jit
+def _gemv(tiles, sz, x, doubled, xq, rows_xq, xs, y):
+    """y (rows, N_pad) f32 = x W.T, TILES_AT_ONCE tiles at a time (their rows of y stay in cache over every part,
+    and each part's bytes of them are read in one run).
+    tiles (P, NT, Kp, T / 2) uint8, byte (p, i, k, j) holding the codes of column Kp p + k of W's rows T i + j (low
+    nibble) and T i + j + T / 2 (high); sz (P, Kp / 32, N_pad) int32, bf16 bits of each block's scale s (low half)
+    and zero point z (high), W = (q - 8) s + z; x (M, K) f32, M <= rows. Scratch: xq (2, rows, P Kp) int8 and xs,
+    quantize_rows'; rows_xq, a tuple of xq's 2 rows rows as (P, Kp / 4) int32 (every row's high limbs, then the low)."""
+    quantize_rows(x, doubled, xq, xs)
     y[:, :] = 0
-    NT = tiles.shape[1]
+    P, NT = tiles.shape[0], tiles.shape[1]
+    G = xs.shape[2]
     for i0 in range(0, NT, TILES_AT_ONCE):
         for p in range(P):
             for i in range(i0, min(i0 + TILES_AT_ONCE, NT)):
                 for g in range(G):
-                    _block(tiles, p, i, g, pairs, sz, xsum, y)
+                    _block(tiles, p, i, g, rows_xq, sz, xs, y)
 
 
 _scratch = threading.local()
 
 
 def _buffers(rows: int, P: int, Kp: int):
-    """This thread's scratch for _gemv (xb, pairs, xsum), made once per shape."""
+    """This thread's scratch for _gemv (xq, its rows as int32, xs), made once per shape."""
     cache = _scratch.__dict__.setdefault("by_shape", {})
     key = (rows, P, Kp)
     if key not in cache:
-        xb = np.zeros((rows, P * Kp), np.int16)
-        pairs = tuple(xb.view(np.int32).reshape(rows, P, Kp // 2))
-        cache[key] = xb, pairs, np.zeros((rows, P, Kp // GROUP), np.float32)
+        xq = np.zeros((2, rows, P * Kp), np.int8)
+        limbs = tuple(xq.view(np.int32).reshape(2 * rows, P, Kp // 4))  # every row's high limbs, then the low ones
+        cache[key] = xq, limbs, np.zeros((rows, P, Kp // GROUP, 2), np.float32)
     return cache[key]
 
 
@@ -193,13 +228,13 @@ class Operands:
         self.doubled = doubled
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        """x (M, K) f32 contiguous, M <= MAX_ROWS -> x W.T (M, N_pad) f32, x rounded to bf16 (as torch's int4 GEMV
-        rounds it); the rows padded to 1, 2, 4 or 8 (a compiled kernel each)."""
+        """x (M, K) f32 contiguous, M <= MAX_ROWS -> x W.T (M, N_pad) f32, x quantized to int8 per 32 columns
+        (quantize_rows); the rows padded to 1, 2, 4 or 8 (a compiled kernel each)."""
         M = x.shape[0]
         rows, (P, _, Kp, _) = ROWS[M], self.tiles.shape
-        xb, pairs, xsum = _buffers(rows, P, Kp)
+        xq, rows_xq, xs = _buffers(rows, P, Kp)
         y = np.empty((rows, self.n_pad), np.float32)
-        _gemv(self.tiles, self.sz, x.numpy(), self.doubled, xb, pairs, xsum, y)
+        _gemv(self.tiles, self.sz, x.numpy(), self.doubled, xq, rows_xq, xs, y)
         return torch.from_numpy(y)[:M]
 
 

@@ -12,8 +12,8 @@ Forms (chosen per tensor by `choose`, from its GGUF type):
   Blocks (CUDA) the same types as blocks of 32 in ggml's order with f16 scale and min, for the Triton
         decode kernel (kvcli/kernels/weights.py): int4_cuda (Q4_*) and int8_cuda (Q8_0).
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor.
-A decode step (few rows) multiplies the codes: on a CPU with AVX512-BF16 up to 8 rows through kvcli's
-bf16-dot kernel (kvcli/int4_gemv.py), else torch's int4 GEMV; a prefill batch dequantizes (to bf16 or
+A decode step (few rows) multiplies the codes: on a CPU with AVX512-VNNI up to 8 rows through kvcli's
+int8-dot kernel (kvcli/int4_gemv.py), else torch's int4 GEMV; a prefill batch dequantizes (to bf16 or
 f32 on CPU, in slabs to the compute dtype on CUDA) and runs a GEMM (figures in benchmarks/README.md).
 """
 
@@ -58,6 +58,17 @@ def native_bf16() -> bool:
     return " avx512_bf16" in flags or " amx_bf16" in flags
 
 
+@functools.cache
+def int8_dot() -> bool:
+    """Does this CPU take AVX-512's byte dot products and byte shuffles (VNNI, VBMI), as /proc/cpuinfo lists them?"""
+    try:
+        with open("/proc/cpuinfo") as f:
+            flags = f.read()
+    except OSError:
+        return False
+    return " avx512_vnni" in flags and " avx512vbmi" in flags
+
+
 def _gemv_kernel():
     from kvcli import int4_gemv  # imported here: numba loads only where the kernel may run
 
@@ -65,18 +76,18 @@ def _gemv_kernel():
 
 
 @functools.cache
-def bf16_gemv_rows() -> int:
-    """Rows up to which Int4 and Int8 products (decode's) run kvcli's bf16-dot kernel (kvcli/int4_gemv.py: AVX512-BF16,
+def gemv_rows() -> int:
+    """Rows up to which Int4 and Int8 products (decode's) run kvcli's int8-dot kernel (kvcli/int4_gemv.py: AVX512-VNNI,
     a tile width it reads), ahead of torch's int4 GEMV (benchmarks/README.md); 0 where it cannot run."""
-    return _gemv_kernel().MAX_ROWS if native_bf16() and _gemv_kernel().covers(tile_width()) else 0
+    return _gemv_kernel().MAX_ROWS if int8_dot() and _gemv_kernel().covers(tile_width()) else 0
 
 
 def warm_up(model, rows: int) -> None:
     """Load decode's product kernel for up to `rows` rows at a time now (from numba's cache; compiled the first time
     on a machine: seconds), where it will run: a CPU model with Int4 or Int8 matrices."""
     forms = model.forms().values()
-    if bf16_gemv_rows() and any(isinstance(f, (Int4, Int8)) and f.packed.device.type == "cpu" for f in forms):
-        _gemv_kernel().warm_up(min(rows, bf16_gemv_rows()))
+    if gemv_rows() and any(isinstance(f, (Int4, Int8)) and f.packed.device.type == "cpu" for f in forms):
+        _gemv_kernel().warm_up(min(rows, gemv_rows()))
 
 
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
@@ -203,7 +214,7 @@ class Int4:
             return self._slab_products(x, torch.float32)
         if rows >= BF16_ROWS and native_bf16():
             return self._slab_products(x.bfloat16(), torch.bfloat16).float()
-        if rows <= bf16_gemv_rows():
+        if rows <= gemv_rows():
             if self.operands is None:
                 self.operands = _gemv_kernel().Operands(self.packed[None], self.sz[None], tile_width())
             y = self.operands.matmul(x.reshape(rows, -1).float())
@@ -328,7 +339,7 @@ class Int8:
             return torch.cat([F.linear(x, self._slab(s, min(s + SLAB_ROWS, N))) for s in range(0, N, SLAB_ROWS)], -1)
         P, _, C = self.packed.shape
         M = _rows(x)
-        if M <= bf16_gemv_rows():  # every part's product summed in f32 as it is made
+        if M <= gemv_rows():  # every part's product summed in f32 as it is made
             if self.operands is None:
                 self.operands = _gemv_kernel().Operands(self.packed, self.sz, tile_width(), doubled=True)
             return self.operands.matmul(x.reshape(M, K).float())[:, :N].reshape(*x.shape[:-1], N)

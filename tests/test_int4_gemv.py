@@ -1,5 +1,6 @@
-"""Decode's product kernel (kvcli/int4_gemv.py): a few rows of x times Int4 and Int8 forms, against x rounded to
-bf16 times W dequantized in f64, for every row count it takes; a row's bits alone and in a batch; views."""
+"""Decode's product kernel (kvcli/int4_gemv.py): a few rows of x times Int4 and Int8 forms, against x quantized as
+the kernel quantizes it (int8 per 32 columns) times W dequantized in f64, for every row count it takes; a row's
+bits alone and in a batch; views."""
 
 import pytest
 import torch
@@ -10,18 +11,29 @@ from kvcli.cache.int4_gemm import tile_width
 from kvcli.weights import Int4, Int8
 from tests.test_weights import adversarial_blocks
 
-pytestmark = pytest.mark.skipif(not kvcli.weights.bf16_gemv_rows(),
-                                reason="the kernel needs AVX512-BF16, numba and torch's 32- or 64-wide int4 tiles")
+pytestmark = pytest.mark.skipif(not kvcli.weights.gemv_rows(),
+                                reason="the kernel needs AVX512-VNNI, numba and torch's 32- or 64-wide int4 tiles")
+
+
+def quantized(x: torch.Tensor) -> torch.Tensor:
+    """x (M, K) f32 as the kernel reads it (int4_gemv.quantize_rows), in f64: per 32 columns, sx = max |x| / 32512 and
+    xi = x (1 / sx) rounded to nearest even (f32 ops), x ~ sx xi; a block of zeros stays zero."""
+    b = x.unflatten(-1, (-1, 32))
+    sx = b.abs().amax(-1, keepdim=True) / int4_gemv.X_RANGE
+    inv = 1 / torch.where(sx == 0, torch.ones_like(sx), sx)
+    xq = torch.where(sx == 0, torch.zeros_like(b), torch.round(b * inv))
+    return (xq.double() * sx.double()).flatten(-2)
 
 
 def _reference(form, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """x rounded to bf16 times W as the kernel reads it, in f64 -> (product, a bound on f32's error). An Int8's W is
-    its Int4 parts' (bf16 scales: 2^-9 off its f16 ones), each over its columns twice. The kernel sums x (128 + q)
-    and takes 128 s sum x back off: the bound is 2^-20 of sum |x| (|W| + 136 s)."""
-    xb = x.bfloat16().double()
+    """x quantized as the kernel does times W as the kernel reads it, in f64 -> (product, a bound on f32's error). An
+    Int8's W is its Int4 parts' (bf16 scales: 2^-9 off its f16 ones), each over its columns twice. The kernel's
+    integer sums are exact, then a few f32 roundings a block of s sx (xq . q) and (z - 8 s) sx sum xq, each at most
+    sum |x| (|W| + 16 s): the bound is 2^-20 of sum |x| (|W| + 136 s), as it was for bf16's."""
     parts = form.parts if isinstance(form, Int8) else [form]
     if isinstance(form, Int8):
-        xb = xb.unflatten(-1, (len(parts), -1)).repeat(1, 1, 2).flatten(-2)
+        x = x.unflatten(-1, (len(parts), -1)).repeat(1, 1, 2).flatten(-2)
+    xb = quantized(x)
     w = torch.cat([p.dequantize() for p in parts], 1).double()
     s = torch.cat([p.sz[:, : p.n, 0].T.double().repeat_interleave(32, 1) for p in parts], 1)
     return (xb @ w.T).float(), (2.0**-20 * (xb.abs() @ (w.abs() + 136 * s.abs()).T) + 1e-6).float()
