@@ -48,25 +48,23 @@ BF16_ROWS = 40
 
 
 @functools.cache
+def _cpu_flags() -> set[str]:
+    """The CPU's feature flags as /proc/cpuinfo lists them (none where it cannot be read)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return set(f.read().split())
+    except OSError:
+        return set()
+
+
 def native_bf16() -> bool:
-    """Does this CPU multiply bf16 in hardware (AVX512-BF16 or AMX, as /proc/cpuinfo lists them)?"""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512_bf16" in flags or " amx_bf16" in flags
+    """Does this CPU multiply bf16 in hardware (AVX512-BF16 or AMX)?"""
+    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
 
 
-@functools.cache
 def int8_dot() -> bool:
-    """Does this CPU take AVX-512's byte dot products and byte shuffles (VNNI, VBMI), as /proc/cpuinfo lists them?"""
-    try:
-        with open("/proc/cpuinfo") as f:
-            flags = f.read()
-    except OSError:
-        return False
-    return " avx512_vnni" in flags and " avx512vbmi" in flags
+    """Does this CPU take AVX-512's byte dot products and byte shuffles (VNNI, VBMI)?"""
+    return {"avx512_vnni", "avx512vbmi"} <= _cpu_flags()
 
 
 def _gemv_kernel():
