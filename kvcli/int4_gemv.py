@@ -1,6 +1,6 @@
-"""Decode's products on the CPU: a few rows of x times an Int4 form (or an Int8's Int4 parts) through AVX512-VNNI
-byte dot products, in one compiled pass (numba; the inner block written as LLVM vectors, which numba's own loops do
-not make of 4-bit codes).
+"""Decode's products on the CPU: a few rows of x times an Int4 form (or an Int8's, its two 4-bit halves read
+together as 8-bit codes) through AVX512-VNNI byte dot products, in one compiled pass (numba; the inner block written
+as LLVM vectors, which numba's own loops do not make of 4-bit codes).
 
 torch's int4 GEMV widens every code to f32 and spends an f32 FMA per row on each; rows cost it nearly as much as
 the first. Here x is taken per 32 columns as integers xi = x / sx (sx = max |x| / 32512, so |xi| <= 127 * 256)
@@ -46,21 +46,8 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    @intrinsic
-    def _block(typingctx, tiles, p, i, g, x, sz, xs, y):
-        """y[m, T i + n] += s sx[m] (xi[m] . q) + (z - 8 s) sx[m] sum xi[m] over block g's columns k
-        (32 g <= k < 32 g + 32) for every row n of tile i: q its codes, s and z its scale and zero point; xi[m] the
-        block of x[m] as integers (x ~ sx[m] xi[m], xi = 256 hi + lo). Per chunk of CHUNK bytes of a tile row (its
-        rows c.. in the low nibbles, T / 2 + c.. in the high ones), four columns at a time become one vector of 16
-        rows' 4 codes each, and each row of x takes it once a limb into int32 sums kept in registers over the
-        block's 32 columns (256 (hi . q) + lo . q: below 2^24, exact as f32).
-        Part p of a form whose K columns come in P parts of Kp (Int8's; Int4: one); each tile row and each row of sz
-        contiguous (a narrowed form's are views), the rest C-contiguous: tiles (P, NT, Kp, T / 2) uint8; x a tuple
-        of 2 M (P, Kp / 4) int32 rows, 4 int8 each: the M rows' hi, then their lo; sz (P, Kp / 32, N_pad) int32, bf16
-        s (low half) and z (high half); xs (M, P, Kp / 32, 2) f32: each block's sx and sx sum xi; y (M, N_pad) f32."""
-        if not isinstance(x, types.UniTuple):
-            return None
-        M = x.count // 2
+    def _codegen(M: int, wide: bool):
+        """_block's code (wide: _block8's) for M rows of x."""
 
         def codegen(context, builder, sig, args):
             f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -78,73 +65,126 @@ if numba is not None:
             ip, ig, g = args[1], args[2], args[3]
             k0 = builder.mul(g, c64(GROUP))
             sP, sNT, sK, _ = cgutils.unpack_tuple(builder, t.strides, 4)  # bytes (a narrowed form's tiles are a view)
-            # byte (p, i, k0, 0)
-            row0 = builder.add(builder.add(builder.mul(ip, sP), builder.mul(ig, sNT)), builder.mul(k0, sK))
-            zP, zG, _ = cgutils.unpack_tuple(builder, sza.strides, 3)
-            z_row = builder.udiv(builder.add(builder.mul(ip, zP), builder.mul(g, zG)), c64(4))  # sz[p, g, 0], int32s
-            n0 = builder.mul(ig, builder.mul(T2, c64(2)))  # the tile's first row
-            xk = builder.add(builder.mul(ip, builder.udiv(K, c64(4))), builder.udiv(k0, c64(4)))
-            xq = [builder.gep(context.make_array(sig.args[4].dtype)(context, builder, a).data, [xk])
-                  for a in cgutils.unpack_tuple(builder, args[4], 2 * M)]  # x[m]'s limbs' columns k0.. of part p
-            pg = builder.add(builder.mul(ip, G), g)  # block g of part p
-            lane0 = ir.Constant(vi, [0] * CHUNK)
 
-            def splat(v, ty):
-                v = builder.insert_element(ir.Constant(ty, None), v, ir.Constant(i32, 0))
-                return builder.shuffle_vector(v, v, lane0)
+            def emit(sK, T2):  # the block's code for tile rows sK bytes apart, T2 bytes wide
+                # byte (p, i, k0, 0)
+                row0 = builder.add(builder.add(builder.mul(ip, sP), builder.mul(ig, sNT)), builder.mul(k0, sK))
+                # wide: the low halves' columns lie Kp / 2 further on, their block (scale d, zero 0) G / 2 further
+                gs = builder.add(g, builder.udiv(G, c64(2))) if wide else g
+                rows_l = builder.add(row0, builder.mul(builder.udiv(K, c64(2)), sK)) if wide else None
+                zP, zG, _ = cgutils.unpack_tuple(builder, sza.strides, 3)
+                z_row = builder.udiv(builder.add(builder.mul(ip, zP), builder.mul(gs, zG)), c64(4))  # sz[p, gs, 0], int32s
+                n0 = builder.mul(ig, builder.mul(T2, c64(2)))  # the tile's first row
+                xk = builder.add(builder.mul(ip, builder.udiv(K, c64(4))), builder.udiv(k0, c64(4)))
+                xq = [builder.gep(context.make_array(sig.args[4].dtype)(context, builder, a).data, [xk])
+                      for a in cgutils.unpack_tuple(builder, args[4], 2 * M)]  # x[m]'s limbs' columns k0.. of part p
+                pg = builder.add(builder.mul(ip, G), g)  # block g of part p
+                lane0 = ir.Constant(vi, [0] * CHUNK)
 
-            def vec(ptr, at, ty):
-                return builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer())
+                def splat(v, ty):
+                    v = builder.insert_element(ir.Constant(ty, None), v, ir.Constant(i32, 0))
+                    return builder.shuffle_vector(v, v, lane0)
 
-            # columns k..k + 3 of CHUNK rows, as loaded one after the other -> row l's four codes in lane l
-            pair_up = ir.Constant(ir.VectorType(i32, 2 * CHUNK), list(range(2 * CHUNK)))
-            lanes = ir.Constant(ir.VectorType(i32, 4 * CHUNK), [CHUNK * c + l for l in range(CHUNK) for c in range(4)])
-            low, four = ir.Constant(quad, [15] * 4 * CHUNK), ir.Constant(quad, [4] * 4 * CHUNK)
-            # the memory ahead, asked for now: the codes stream from DRAM, which this loop alone does not keep busy
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch")
-            read, keep, data = ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)
-            for k in range(0, GROUP, 2):  # this block's bytes PREFETCH further on: a line per pair of columns (T = 64)
-                at = builder.add(builder.add(row0, builder.mul(c64(k), sK)), c64(PREFETCH))
-                builder.call(prefetch, [builder.gep(t.data, [at]), read, keep, data])
-            for j in range(0, 64, 16):  # the next tile's scales of this block (4 lines for T = 64)
-                at = builder.add(builder.add(z_row, builder.mul(T2, c64(2))), builder.add(n0, c64(j)))
-                line = builder.bitcast(builder.gep(sza.data, [at]), i8.as_pointer())
-                builder.call(prefetch, [line, read, keep, data])
-            with cgutils.for_range(builder, builder.udiv(T2, c64(CHUNK))) as loop:
-                c = builder.mul(loop.index, c64(CHUNK))
-                acc = [[[ir.Constant(vi, [0] * CHUNK)] * 2 for _ in range(2)] for _ in range(M)]  # [m][limb][h]
-                for k in range(0, GROUP, 4):
-                    at = builder.add(builder.add(row0, builder.mul(c64(k), sK)), c)
-                    b = [builder.load(vec(t.data, builder.add(at, builder.mul(c64(j), sK)), vb), align=1)
-                         for j in range(4)]
-                    b = builder.shuffle_vector(builder.shuffle_vector(b[0], b[1], pair_up),
-                                               builder.shuffle_vector(b[2], b[3], pair_up), lanes)
-                    codes = [builder.bitcast(h, vi) for h in (builder.and_(b, low),
-                                                              builder.and_(builder.lshr(b, four), low))]
-                    for m in range(M):  # x[m]'s limbs' int8 columns k0 + k..k0 + k + 3, loaded here (not all held)
-                        for limb in (0, 1):
-                            xv = splat(builder.load(builder.gep(xq[limb * M + m], [c64(k // 4)])), vi)
-                            acc[m][limb] = [builder.call(dot, [acc[m][limb][h], codes[h], xv]) for h in (0, 1)]
-                for h in (0, 1):
-                    n = builder.add(builder.add(n0, c), builder.mul(c64(h), T2))  # rows n.. of W
-                    pair = builder.load(vec(sza.data, builder.add(z_row, n), vi), align=4)
-                    scale = builder.bitcast(builder.shl(pair, ir.Constant(vi, [16] * CHUNK)), vf)
-                    zero = builder.bitcast(builder.and_(pair, ir.Constant(vi, [-65536] * CHUNK)), vf)
-                    # x . ((q - 8) s + z) = s sx (xq . q) + (z - 8 s) sx sum xq
-                    offset = builder.call(fma, [ir.Constant(vf, [-8.0] * CHUNK), scale, zero])
-                    for m in range(M):
-                        at = builder.mul(builder.add(builder.mul(c64(m), builder.mul(P, G)), pg), c64(2))  # xs[m, p, g]
-                        sx = splat(builder.load(builder.gep(xsa.data, [at])), vf)
-                        sq = splat(builder.load(builder.gep(xsa.data, [builder.add(at, c64(1))])), vf)
-                        yp = vec(ya.data, builder.add(builder.mul(c64(m), n_pad), n), vf)
-                        whole = builder.add(builder.shl(acc[m][0][h], ir.Constant(vi, [8] * CHUNK)), acc[m][1][h])
-                        out = builder.call(fma, [builder.sitofp(whole, vf), builder.fmul(scale, sx),
-                                                 builder.load(yp, align=4)])
-                        builder.store(builder.call(fma, [sq, offset, out]), yp, align=4)
+                def vec(ptr, at, ty):
+                    return builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer())
+
+                # columns k..k + 3 of CHUNK rows, as loaded one after the other -> row l's four codes in lane l
+                pair_up = ir.Constant(ir.VectorType(i32, 2 * CHUNK), list(range(2 * CHUNK)))
+                lanes = ir.Constant(ir.VectorType(i32, 4 * CHUNK), [CHUNK * c + l for l in range(CHUNK) for c in range(4)])
+                low, four = ir.Constant(quad, [15] * 4 * CHUNK), ir.Constant(quad, [4] * 4 * CHUNK)
+                high = ir.Constant(quad, [0xF0] * 4 * CHUNK)
+
+                def quads(first, c, k):  # four columns k.. from byte row `first` + c: (4 CHUNK,) i8, row l's in lane l
+                    at = builder.add(builder.add(first, builder.mul(c64(k), sK)), c)
+                    b = [builder.load(vec(t.data, builder.add(at, builder.mul(c64(j), sK)), vb), align=1) for j in range(4)]
+                    return builder.shuffle_vector(builder.shuffle_vector(b[0], b[1], pair_up),
+                                                  builder.shuffle_vector(b[2], b[3], pair_up), lanes)
+
+                # the memory ahead, asked for now: the codes stream from DRAM, which this loop alone does not keep busy
+                prefetch = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch")
+                read, keep, data = ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)
+                # (wide: its 2 KB runs in order, which the CPU's own prefetcher follows; asking as well made one
+                # row 10% slower)
+                for k in range(0, GROUP, 2) if not wide else ():  # a line per pair of columns (T = 64)
+                    at = builder.add(builder.add(row0, builder.mul(c64(k), sK)), c64(PREFETCH))
+                    builder.call(prefetch, [builder.gep(t.data, [at]), read, keep, data])
+                for j in range(0, 64, 16):  # the next tile's scales of this block (4 lines for T = 64)
+                    at = builder.add(builder.add(z_row, builder.mul(T2, c64(2))), builder.add(n0, c64(j)))
+                    line = builder.bitcast(builder.gep(sza.data, [at]), i8.as_pointer())
+                    builder.call(prefetch, [line, read, keep, data])
+                with cgutils.for_range(builder, builder.udiv(T2, c64(CHUNK))) as loop:
+                    c = builder.mul(loop.index, c64(CHUNK))
+                    acc = [[[ir.Constant(vi, [0] * CHUNK)] * 2 for _ in range(2)] for _ in range(M)]  # [m][limb][h]
+                    for k in range(0, GROUP, 4):
+                        b = quads(row0, c, k)
+                        if wide:  # 16 h + l: the high halves' nibbles over the low halves'
+                            bl = quads(rows_l, c, k)
+                            b = [builder.or_(builder.shl(builder.and_(b, low), four), builder.and_(bl, low)),
+                                 builder.or_(builder.and_(b, high), builder.lshr(bl, four))]
+                        else:
+                            b = [builder.and_(b, low), builder.and_(builder.lshr(b, four), low)]
+                        codes = [builder.bitcast(h, vi) for h in b]
+                        for m in range(M):  # x[m]'s limbs' int8 columns k0 + k..k0 + k + 3, loaded here (not all held)
+                            for limb in (0, 1):
+                                xv = splat(builder.load(builder.gep(xq[limb * M + m], [c64(k // 4)])), vi)
+                                acc[m][limb] = [builder.call(dot, [acc[m][limb][h], codes[h], xv]) for h in (0, 1)]
+                    for h in (0, 1):
+                        n = builder.add(builder.add(n0, c), builder.mul(c64(h), T2))  # rows n.. of W
+                        pair = builder.load(vec(sza.data, builder.add(z_row, n), vi), align=4)
+                        scale = builder.bitcast(builder.shl(pair, ir.Constant(vi, [16] * CHUNK)), vf)
+                        zero = builder.bitcast(builder.and_(pair, ir.Constant(vi, [-65536] * CHUNK)), vf)
+                        # x . ((q - bias) s + z) = s sx (xq . q) + (z - bias s) sx sum xq
+                        bias = -128.0 if wide else -8.0
+                        offset = builder.call(fma, [ir.Constant(vf, [bias] * CHUNK), scale, zero])
+                        for m in range(M):
+                            at = builder.mul(builder.add(builder.mul(c64(m), builder.mul(P, G)), pg), c64(2))  # xs[m, p, g]
+                            sx = splat(builder.load(builder.gep(xsa.data, [at])), vf)
+                            sq = splat(builder.load(builder.gep(xsa.data, [builder.add(at, c64(1))])), vf)
+                            yp = vec(ya.data, builder.add(builder.mul(c64(m), n_pad), n), vf)
+                            whole = builder.add(builder.shl(acc[m][0][h], ir.Constant(vi, [8] * CHUNK)), acc[m][1][h])
+                            out = builder.call(fma, [builder.sitofp(whole, vf), builder.fmul(scale, sx),
+                                                     builder.load(yp, align=4)])
+                            builder.store(builder.call(fma, [sq, offset, out]), yp, align=4)
+
+            # T = 64 (AVX-512's tiles): constant strides fold into the loads' offsets (one base pointer, not one a
+            # column kept in registers and spilled); other tiles take the general code
+            fixed = builder.and_(builder.icmp_unsigned("==", sK, c64(32)), builder.icmp_unsigned("==", T2, c64(32)))
+            with builder.if_else(fixed) as (then, otherwise):
+                with then:
+                    emit(c64(32), c64(32))
+                with otherwise:
+                    emit(sK, T2)
             return context.get_dummy_value()
 
-        return types.none(tiles, p, i, g, x, sz, xs, y), codegen
+        return codegen
+
+    @intrinsic
+    def _block(typingctx, tiles, p, i, g, x, sz, xs, y):
+        """y[m, T i + n] += s sx[m] (xi[m] . q) + (z - 8 s) sx[m] sum xi[m] over block g's columns k
+        (32 g <= k < 32 g + 32) for every row n of tile i: q its codes, s and z its scale and zero point; xi[m] the
+        block of x[m] as integers (x ~ sx[m] xi[m], xi = 256 hi + lo). Per chunk of CHUNK bytes of a tile row (its
+        rows c.. in the low nibbles, T / 2 + c.. in the high ones), four columns at a time become one vector of 16
+        rows' 4 codes each, and each row of x takes it once a limb into int32 sums kept in registers over the
+        block's 32 columns (256 (hi . q) + lo . q: below 2^24, exact as f32).
+        Part p of a form whose K columns come in P parts of Kp (Int8's; Int4: one); each tile row and each row of sz
+        contiguous (a narrowed form's are views), the rest C-contiguous: tiles (P, NT, Kp, T / 2) uint8; x a tuple
+        of 2 M (P, Kp / 4) int32 rows, 4 int8 each: the M rows' hi, then their lo; sz (P, Kp / 32, N_pad) int32, bf16
+        s (low half) and z (high half); xs (M, P, Kp / 32, 2) f32: each block's sx and sx sum xi; y (M, N_pad) f32."""
+        if not isinstance(x, types.UniTuple):
+            return None
+        return types.none(tiles, p, i, g, x, sz, xs, y), _codegen(x.count // 2, wide=False)
+
+    @intrinsic
+    def _block8(typingctx, tiles, p, i, g, x, sz, xs, y):
+        """_block over an Int8 part's 8-bit codes u = q + 128 = 16 h + l, rebuilt from its two halves (h in its
+        first Kp / 2 columns, l in the next: block g of h pairs with block g + G / 2 of l, over the same columns of x):
+        y[m, n] += d sx (xi . u) - 128 d sx sum xi, d the l block's scale. One vector of 16 rows' four 8-bit codes
+        takes the place of two of 4-bit ones: each row of x makes half the byte products it made over the halves.
+        The integer sums (below 2^28) are exact, rounded once to f32."""
+        if not isinstance(x, types.UniTuple):
+            return None
+        return types.none(tiles, p, i, g, x, sz, xs, y), _codegen(x.count // 2, wide=True)
 
 
 @exact_jit
@@ -199,8 +239,12 @@ def _gemv(tiles, sz, x, doubled, xq, rows_xq, xs, y):
     for i0 in range(0, NT, TILES_AT_ONCE):
         for p in range(P):
             for i in range(i0, min(i0 + TILES_AT_ONCE, NT)):
-                for g in range(G):
-                    _block(tiles, p, i, g, rows_xq, sz, xs, y)
+                if doubled:  # an Int8 part: its halves' blocks g and g + G / 2 as one block of 8-bit codes
+                    for g in range(G // 2):
+                        _block8(tiles, p, i, g, rows_xq, sz, xs, y)
+                else:
+                    for g in range(G):
+                        _block(tiles, p, i, g, rows_xq, sz, xs, y)
 
 
 _scratch = threading.local()

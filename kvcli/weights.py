@@ -288,12 +288,13 @@ class Int8:
 
     The codes are kept split in two 4-bit halves, q + 128 = 16 h + l, as int4 forms (torch's CPU int4
     GEMV has a fast kernel for bf16 activations; its int8 one takes per-row scales only, so it took one
-    call per block): part c (N, 2 C) holds columns C c..C c + C - 1 of h with scale 16 d and zero point
-    8 d, then the same columns of l with scale d, so that (h - 8) 16 d + 8 d + (l - 8) d = d q and the
-    part's product is [x_c, x_c] @ part.T. The GEMV rounds its output to bf16: one call per part, the
-    partial products summed in f32, keeps the logits off bf16's grid (one call over all of K ties the top
-    logits of a head; benchmarks/README.md).
-    packed (P, N_pad, C) uint8 and sz (P, 2 C / 32, N_pad, 2) bf16: the P = K / C parts' Int4 tiles and
+    call per block): part c (N, 64) holds block c's 32 columns of h with scale 16 d and zero point 8 d, then
+    the same columns of l with scale d, so that (h - 8) 16 d + 8 d + (l - 8) d = d q and the part's product
+    is [x_c, x_c] @ part.T. The GEMV rounds its output to bf16: one call per part, the partial products
+    summed in f32, keeps the logits off bf16's grid (one call over all of K ties the top logits of a head;
+    benchmarks/README.md). A block's halves lie side by side in a tile, so that kvcli/int4_gemv.py reads
+    them together as 8-bit codes in one run of memory.
+    packed (P, N_pad, 32) uint8 and sz (P, 2, N_pad, 2) bf16: the P = K / 32 parts' Int4 tiles and
     scales, one tensor each (a row's codes come out of every part in one pass); d (N, K / 32) f16 is kept
     for exact rows and dequantize (the token embedding, prefill batches)."""
 
@@ -305,15 +306,10 @@ class Int8:
         self.parts = [Int4(p, z, n) for p, z in zip(packed, sz)]  # views
         self.operands = None  # as Int4's
 
-    @staticmethod
-    def chunk(k: int) -> int:
-        """C, the columns of K per part: 64 where they divide K, else one block."""
-        return 64 if k % 64 == 0 else GROUP
-
     @classmethod
     def from_codes(cls, q: torch.Tensor, d: torch.Tensor) -> Int8:
         """q (N, K) int8, d (N, K / 32) f16."""
-        C = cls.chunk(q.shape[1])
+        C = GROUP  # one block a part (see the class)
         u = q.view(torch.uint8) ^ 128  # q + 128
         df = d.float()
         parts = []
