@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import LANES, available, from_f32, jit, jit_reassociating, numba, to_f32
+from kvcli.cache.cpu_jit import LANES, available, exp_f32, from_f32, jit, jit_reassociating, numba, to_f32
 
 CHUNK = 256  # positions scored at a time (the online softmax's step)
 # With several threads the reference spreads its products over them and, past about this many positions read
@@ -59,9 +59,9 @@ def _attend(qm, scale, kdat, vdat, lim, out):
                         m = max(m, s[g, t])
                     a = np.float32(0)
                     for t in range(c):
-                        s[g, t] = np.exp(s[g, t] - m)
+                        s[g, t] = exp_f32(s[g, t] - m)
                         a += s[g, t]
-                    r = np.exp(mx[g] - m)  # 0 at the first chunk (mx = -inf)
+                    r = exp_f32(mx[g] - m)  # 0 at the first chunk (mx = -inf)
                     total[g] = total[g] * r + a
                     for e in range(D):
                         acc[g, e] *= r

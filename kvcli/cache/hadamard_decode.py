@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import LANES, available, dot, jit, lane_sum, numba
+from kvcli.cache.cpu_jit import LANES, available, dot, exp_f32, jit, lane_sum, numba
 
 # The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
 # cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
@@ -123,7 +123,7 @@ def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
                 for j in range(N + n):
                     mx = max(mx, s[g, j])
                 for j in range(N + n):
-                    s[g, j] = np.exp(s[g, j] - mx)
+                    s[g, j] = exp_f32(s[g, j] - mx)
                 psum[g] = lane_sum(s[g], 0, N + n, lanes)
             # ---- weighted sums ----
             accw[:, :] = 0
