@@ -4,6 +4,8 @@ waiting requests are bounded. The real default model, f32 weights, compute and c
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -284,3 +286,37 @@ def test_cancelled_request_frees_its_slot_and_stop_fails_the_rest(llm):
     engine.run()  # returns at once, failing what waits
     assert isinstance(ev[1][-1], Failed) and ev[1][-1].code == 503
     assert engine.cache_stats()["cells_in_use"] > 0
+
+
+def test_an_idle_engine_prefills_a_burst_together(llm, monkeypatch):
+    """Requests being prepared (Engine.preparing) when an idle engine gets the first: their prompts share its forward."""
+    import threading
+
+    from kvcli.serve import engine as engine_mod
+
+    monkeypatch.setattr(engine_mod, "GATHER_S", 60.0)  # the second submit ends the wait, not the clock
+    engine = Engine(llm, 2)
+    forwards, done = [], threading.Event()
+    forward = engine._forward
+    monkeypatch.setattr(engine, "_forward", lambda seg: (forwards.append([len(ids) for _, ids in seg]), forward(seg)))
+    ev = {0: [], 1: []}
+
+    def emit(key):
+        def put(e):
+            ev[key].append(e)
+            if all(v and isinstance(v[-1], (Done, Failed)) for v in ev.values()):
+                done.set()
+        return put
+
+    runner = threading.Thread(target=engine.run, daemon=True)
+    runner.start()
+    with engine.preparing() as first, engine.preparing() as second:
+        engine.submit(Request([1, 2, 3], emit(0), max_tokens=2), first)
+        time.sleep(0.05)  # the engine, awake, waits for the announced second
+        assert forwards == []
+        engine.submit(Request([4, 5], emit(1), max_tokens=2), second)
+    assert done.wait(60)
+    engine.stop()
+    runner.join(10)
+    assert forwards[0] == [3, 2] and engine.announced == 0
+    assert [e[-1].predicted_n for e in ev.values()] == [2, 2]

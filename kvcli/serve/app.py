@@ -179,30 +179,34 @@ def create_app(server: Server) -> FastAPI:
         e = server.ready()
         if not e.tok.chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
-        messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
-                     "".join(p.text for p in m.content or [])} for m in body.messages]
-        # as `kvcli run -cnv`: the model's template, then its control tokens parsed
-        ids = e.tok.encode(e.tok.apply_chat_template(messages, add_generation_prompt=True), parse_special=True)
-        n_top = (body.top_logprobs or 0) if body.logprobs else None
-        return await _complete(e, body, ids, n_top, chat=True)
+        with e.preparing() as ticket:
+            await asyncio.sleep(0)  # the requests that came in with this one announce themselves too
+            messages = [{"role": m.role, "content": m.content if isinstance(m.content, str) else
+                         "".join(p.text for p in m.content or [])} for m in body.messages]
+            # as `kvcli run -cnv`: the model's template, then its control tokens parsed
+            ids = e.tok.encode(e.tok.apply_chat_template(messages, add_generation_prompt=True), parse_special=True)
+            n_top = (body.top_logprobs or 0) if body.logprobs else None
+            return await _complete(e, body, ids, n_top, chat=True, ticket=ticket)
 
     @app.post("/v1/completions")
     @app.post("/completions")
     async def completions(body: CompletionBody):
         e = server.ready()
-        if isinstance(body.prompt, str):
-            ids = e.tok.encode(body.prompt, parse_special=True)  # as `kvcli run -p`
-        else:
-            ids = list(body.prompt)
-            bad = [i for i in ids if not 0 <= i < e.llm.config.vocab_size]
-            if bad:
-                raise ApiError(400, f"token id {bad[0]} is outside the vocabulary: ids run "
-                                    f"0..{e.llm.config.vocab_size - 1}", "prompt")
-        if not ids:
-            raise ApiError(400, "the prompt is empty", "prompt")
-        return await _complete(e, body, ids, body.logprobs, chat=False)
+        with e.preparing() as ticket:
+            await asyncio.sleep(0)  # as chat's
+            if isinstance(body.prompt, str):
+                ids = e.tok.encode(body.prompt, parse_special=True)  # as `kvcli run -p`
+            else:
+                ids = list(body.prompt)
+                bad = [i for i in ids if not 0 <= i < e.llm.config.vocab_size]
+                if bad:
+                    raise ApiError(400, f"token id {bad[0]} is outside the vocabulary: ids run "
+                                        f"0..{e.llm.config.vocab_size - 1}", "prompt")
+            if not ids:
+                raise ApiError(400, "the prompt is empty", "prompt")
+            return await _complete(e, body, ids, body.logprobs, chat=False, ticket=ticket)
 
-    async def _complete(e: Engine, body: Sampling, ids: list[int], n_top: int | None, chat: bool):
+    async def _complete(e: Engine, body: Sampling, ids: list[int], n_top: int | None, chat: bool, ticket=None):
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue = asyncio.Queue()
 
@@ -214,7 +218,7 @@ def create_app(server: Server) -> FastAPI:
 
         job = Job(ids, emit, body.sampler(e.eog), body.limit(), body.stops(), n_top)
         try:
-            e.submit(job)
+            e.submit(job, ticket)
         except QueueFull as err:
             raise ApiError(503, str(err)) from None
         except KvcliError as err:

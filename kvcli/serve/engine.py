@@ -15,6 +15,7 @@ and report back through their `emit` callback, called on the engine thread.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -30,6 +31,8 @@ from kvcli.errors import KvcliError
 from kvcli.generate import Sampler
 from kvcli.memory import MIB, check_fits
 from kvcli.weights import warm_up as weights_warm_up
+
+GATHER_S = 0.05  # the longest an idle engine waits for a burst's requests being prepared (see Engine.preparing)
 
 log = logging.getLogger("kvcli.serve")
 
@@ -145,14 +148,35 @@ class Engine:
         self.pending: deque[Request] = deque()
         self.cond = threading.Condition()
         self.stopping = False
+        self.announced = 0  # requests the HTTP side has begun to prepare (template, tokens) and not yet submitted
         # counters for /metrics (llama-server's), written on the engine thread only
         self.prompt_tokens_total = self.predicted_tokens_total = 0
         self.prompt_seconds_total = self.predicted_seconds_total = 0.0
 
     # ---- the other threads' side ----
-    def submit(self, req: Request) -> None:
-        """Queue a request. QueueFull when every slot is busy and the queue holds queue_size already;
-        KvcliError when the server is stopping or the prompt does not fit a slot."""
+    @contextlib.contextmanager
+    def preparing(self):
+        """Around a request's preparation (template, tokens) and its submit(req, ticket): an idle engine that gets a
+        request while others are being prepared waits for them (GATHER_S at most), so that a burst's prompts share
+        one prefill (the first alone, then the rest, costs a forward more); a lone request is not held."""
+        ticket = [True]  # announced and not yet submitted
+        with self.cond:
+            self.announced += 1
+        try:
+            yield ticket
+        finally:
+            with self.cond:
+                self._withdraw(ticket)
+
+    def _withdraw(self, ticket: list | None) -> None:  # under self.cond
+        if ticket and ticket[0]:
+            ticket[0] = False
+            self.announced -= 1
+            self.cond.notify()
+
+    def submit(self, req: Request, ticket: list | None = None) -> None:
+        """Queue a request (ticket: its announcement, from preparing). QueueFull when every slot is busy and the
+        queue holds queue_size already; KvcliError when the server is stopping or the prompt does not fit a slot."""
         if not req.prompt:
             raise KvcliError("the prompt is empty: it tokenizes to no tokens")
         if len(req.prompt) >= self.n_ctx_slot:
@@ -166,6 +190,7 @@ class Engine:
                 raise QueueFull(f"all {len(self.slots)} slots are busy and {self.queue_size} requests already wait; "
                                 f"try again later")
             self.pending.append(req)
+            self._withdraw(ticket)
             self.cond.notify()
 
     def stop(self) -> None:
@@ -214,6 +239,11 @@ class Engine:
                     self.cond.wait()
                 if self.stopping:
                     break
+                if all(s.req is None for s in self.slots):  # idle until now: a burst's prompts prefilled together
+                    deadline = time.perf_counter() + GATHER_S
+                    while (self.announced and len(self.pending) < len(self.slots) and not self.stopping
+                           and time.perf_counter() < deadline):
+                        self.cond.wait(deadline - time.perf_counter())
                 self._assign()
             self.step()
         with self.cond:
