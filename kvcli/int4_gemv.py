@@ -28,7 +28,8 @@ __all__ = ["MAX_ROWS", "Operands", "available", "covers", "warm_up"]
 
 CHUNK = 16  # bytes of a tile row unpacked at a time: 16 rows' codes in the low nibbles and 16 in the high
 GROUP = 32  # columns per scale (Int4's)
-MAX_ROWS = 8  # rows of x per call: two int32 vectors of sums each stay in registers
+MAX_ROWS = 8  # rows of x per call
+GROUP_ROWS = 4  # rows a block is taken by at once: their 16 int32 vectors of sums stay in registers
 PREFETCH = 2048  # bytes ahead in a form's codes that a block asks for (1-8 KB measured: 2 KB the best here)
 TILES_AT_ONCE = 32  # Int8's parts: 32 tiles' rows of y (<= 64 KB) are summed over every part before the next
 ROWS = {m: 1 << (m - 1).bit_length() for m in range(1, MAX_ROWS + 1)}  # padded to the compiled counts
@@ -225,13 +226,15 @@ def quantize_rows(x, doubled, xq, xs):
 
 
 @jit
-def _gemv(tiles, sz, x, doubled, xq, rows_xq, xs, y):
+def _gemv(tiles, sz, x, doubled, xq, groups, xs, y):
     """y (rows, N_pad) f32 = x W.T, TILES_AT_ONCE tiles at a time (their rows of y stay in cache over every part,
     and each part's bytes of them are read in one run).
     tiles (P, NT, Kp, T / 2) uint8, byte (p, i, k, j) holding the codes of column Kp p + k of W's rows T i + j (low
     nibble) and T i + j + T / 2 (high); sz (P, Kp / 32, N_pad) int32, bf16 bits of each block's scale s (low half)
     and zero point z (high), W = (q - 8) s + z; x (M, K) f32, M <= rows. Scratch: xq (2, rows, P Kp) int8 and xs,
-    quantize_rows'; rows_xq, a tuple of xq's 2 rows rows as (P, Kp / 4) int32 (every row's high limbs, then the low)."""
+    quantize_rows'; groups: xq's rows by GROUP_ROWS, each a tuple of their limbs as (P, Kp / 4) int32 (the group's
+    high limbs, then its low ones). Each block is taken by one group of rows after the other while its bytes are at
+    hand: a group's sums stay in registers (eight rows' would not)."""
     quantize_rows(x, doubled, xq, xs)
     y[:, :] = 0
     P, NT = tiles.shape[0], tiles.shape[1]
@@ -241,23 +244,29 @@ def _gemv(tiles, sz, x, doubled, xq, rows_xq, xs, y):
             for i in range(i0, min(i0 + TILES_AT_ONCE, NT)):
                 if doubled:  # an Int8 part: its halves' blocks g and g + G / 2 as one block of 8-bit codes
                     for g in range(G // 2):
-                        _block8(tiles, p, i, g, rows_xq, sz, xs, y)
+                        for r in range(len(groups)):
+                            m = GROUP_ROWS * r
+                            _block8(tiles, p, i, g, groups[r], sz, xs[m : m + GROUP_ROWS], y[m : m + GROUP_ROWS])
                 else:
                     for g in range(G):
-                        _block(tiles, p, i, g, rows_xq, sz, xs, y)
+                        for r in range(len(groups)):
+                            m = GROUP_ROWS * r
+                            _block(tiles, p, i, g, groups[r], sz, xs[m : m + GROUP_ROWS], y[m : m + GROUP_ROWS])
 
 
 _scratch = threading.local()
 
 
 def _buffers(rows: int, P: int, Kp: int):
-    """This thread's scratch for _gemv (xq, its rows as int32, xs), made once per shape."""
+    """This thread's scratch for _gemv (xq, its rows' limbs as int32 by groups, xs), made once per shape."""
     cache = _scratch.__dict__.setdefault("by_shape", {})
     key = (rows, P, Kp)
     if key not in cache:
         xq = np.zeros((2, rows, P * Kp), np.int8)
-        limbs = tuple(xq.view(np.int32).reshape(2 * rows, P, Kp // 4))  # every row's high limbs, then the low ones
-        cache[key] = xq, limbs, np.zeros((rows, P, Kp // GROUP, 2), np.float32)
+        limbs = xq.view(np.int32).reshape(2, rows, P, Kp // 4)
+        step = min(rows, GROUP_ROWS)
+        groups = tuple(tuple(limbs[0, m : m + step]) + tuple(limbs[1, m : m + step]) for m in range(0, rows, step))
+        cache[key] = xq, groups, np.zeros((rows, P, Kp // GROUP, 2), np.float32)
     return cache[key]
 
 
@@ -276,9 +285,9 @@ class Operands:
         (quantize_rows); the rows padded to 1, 2, 4 or 8 (a compiled kernel each)."""
         M = x.shape[0]
         rows, (P, _, Kp, _) = ROWS[M], self.tiles.shape
-        xq, rows_xq, xs = _buffers(rows, P, Kp)
+        xq, groups, xs = _buffers(rows, P, Kp)
         y = np.empty((rows, self.n_pad), np.float32)
-        _gemv(self.tiles, self.sz, x.numpy(), self.doubled, xq, rows_xq, xs, y)
+        _gemv(self.tiles, self.sz, x.numpy(), self.doubled, xq, groups, xs, y)
         return torch.from_numpy(y)[:M]
 
 
