@@ -67,7 +67,12 @@ if numba is not None:
             k0 = builder.mul(g, c64(GROUP))
             sP, sNT, sK, _ = cgutils.unpack_tuple(builder, t.strides, 4)  # bytes (a narrowed form's tiles are a view)
 
-            def emit(sK, T2):  # the block's code for tile rows sK bytes apart, T2 bytes wide
+            def emit(sK, T2, fixed: bool):  # the block's code for tile rows sK bytes apart, T2 bytes wide
+                # 4-bit codes at fixed strides: four columns' 128 bytes (both chunks) in two loads and one byte permute
+                # where four loads and three shuffles were (one row's products -7 to -16%, four rows' -3%); one or two
+                # rows unroll the two chunks (constant permutes), four keep the loop (unrolled, they ran slower) and
+                # move the permute's index by the chunk. An Int8's two halves keep the four loads (faster there).
+                unroll = fixed and M <= 2 and not wide
                 # byte (p, i, k0, 0)
                 row0 = builder.add(builder.add(builder.mul(ip, sP), builder.mul(ig, sNT)), builder.mul(k0, sK))
                 # wide: the low halves' columns lie Kp / 2 further on, their block (scale d, zero 0) G / 2 further
@@ -95,7 +100,22 @@ if numba is not None:
                 low, four = ir.Constant(quad, [15] * 4 * CHUNK), ir.Constant(quad, [4] * 4 * CHUNK)
                 high = ir.Constant(quad, [0xF0] * 4 * CHUNK)
 
+                # byte 4 l + j of a chunk's quad: column k + j of row c + l, at 32 j + c + l in columns k..k + 3's bytes
+                picks = [32 * j + l for l in range(CHUNK) for j in range(4)]
+                permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(quad, [quad] * 3),
+                                                         "llvm.x86.avx512.vpermi2var.qi.512")
+                every = ir.Constant(ir.VectorType(i32, 4 * CHUNK), [0] * 4 * CHUNK)
+
                 def quads(first, c, k):  # four columns k.. from byte row `first` + c: (4 CHUNK,) i8, row l's in lane l
+                    if fixed and not wide:  # four columns' 128 bytes (both chunks) in two loads, one byte permute
+                        at = builder.add(first, builder.mul(c64(k), sK))
+                        b = [builder.load(vec(t.data, builder.add(at, c64(64 * j)), quad), align=1) for j in range(2)]
+                        if unroll:  # c a constant
+                            return builder.shuffle_vector(b[0], b[1], ir.Constant(
+                                ir.VectorType(i32, 4 * CHUNK), [p + c for p in picks]))
+                        cb = builder.insert_element(ir.Constant(quad, None), builder.trunc(c, i8), ir.Constant(i32, 0))
+                        index = builder.add(ir.Constant(quad, picks), builder.shuffle_vector(cb, cb, every))
+                        return builder.call(permute, [b[0], index, b[1]])
                     at = builder.add(builder.add(first, builder.mul(c64(k), sK)), c)
                     b = [builder.load(vec(t.data, builder.add(at, builder.mul(c64(j), sK)), vb), align=1) for j in range(4)]
                     return builder.shuffle_vector(builder.shuffle_vector(b[0], b[1], pair_up),
@@ -114,8 +134,8 @@ if numba is not None:
                     at = builder.add(builder.add(z_row, builder.mul(T2, c64(2))), builder.add(n0, c64(j)))
                     line = builder.bitcast(builder.gep(sza.data, [at]), i8.as_pointer())
                     builder.call(prefetch, [line, read, keep, data])
-                with cgutils.for_range(builder, builder.udiv(T2, c64(CHUNK))) as loop:
-                    c = builder.mul(loop.index, c64(CHUNK))
+                def chunk(c):  # rows c..c + CHUNK - 1 and T / 2 + c.. of the tile (c a constant where unrolled)
+                    cv = c64(c) if unroll else c
                     acc = [[[ir.Constant(vi, [0] * CHUNK)] * 2 for _ in range(2)] for _ in range(M)]  # [m][limb][h]
                     for k in range(0, GROUP, 4):
                         b = quads(row0, c, k)
@@ -131,7 +151,7 @@ if numba is not None:
                                 xv = splat(builder.load(builder.gep(xq[limb * M + m], [c64(k // 4)])), vi)
                                 acc[m][limb] = [builder.call(dot, [acc[m][limb][h], codes[h], xv]) for h in (0, 1)]
                     for h in (0, 1):
-                        n = builder.add(builder.add(n0, c), builder.mul(c64(h), T2))  # rows n.. of W
+                        n = builder.add(builder.add(n0, cv), builder.mul(c64(h), T2))  # rows n.. of W
                         pair = builder.load(vec(sza.data, builder.add(z_row, n), vi), align=4)
                         scale = builder.bitcast(builder.shl(pair, ir.Constant(vi, [16] * CHUNK)), vf)
                         zero = builder.bitcast(builder.and_(pair, ir.Constant(vi, [-65536] * CHUNK)), vf)
@@ -148,14 +168,21 @@ if numba is not None:
                                                      builder.load(yp, align=4)])
                             builder.store(builder.call(fma, [sq, offset, out]), yp, align=4)
 
+                if unroll:
+                    for c in range(0, 32, CHUNK):
+                        chunk(c)
+                else:
+                    with cgutils.for_range(builder, builder.udiv(T2, c64(CHUNK))) as loop:
+                        chunk(builder.mul(loop.index, c64(CHUNK)))
+
             # T = 64 (AVX-512's tiles): constant strides fold into the loads' offsets (one base pointer, not one a
             # column kept in registers and spilled); other tiles take the general code
             fixed = builder.and_(builder.icmp_unsigned("==", sK, c64(32)), builder.icmp_unsigned("==", T2, c64(32)))
             with builder.if_else(fixed) as (then, otherwise):
                 with then:
-                    emit(c64(32), c64(32))
+                    emit(c64(32), c64(32), True)
                 with otherwise:
-                    emit(sK, T2)
+                    emit(sK, T2, False)
             return context.get_dummy_value()
 
         return codegen
