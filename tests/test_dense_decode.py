@@ -133,3 +133,22 @@ def test_exp_f32_follows_libm():
     normal = want > np.finfo(np.float32).tiny
     assert (np.abs(out[normal] - want[normal]) <= 2.5 * 2.0**-23 * want[normal]).all()
     assert out[-5] == 1.0 and (out[-4:] == 0).all()
+
+
+def test_a_changed_cpu_jit_drops_the_compiled_kernels(tmp_path):
+    """numba would load a kernel compiled against an older cpu_jit (its cache follows the kernel's own file): a
+    change of cpu_jit.py drops the package's compiled kernels once, then keeps them."""
+    from kvcli.cache.cpu_jit import drop_stale_kernels
+
+    kernels = [tmp_path / "__pycache__" / "int4_gemv._gemv-1.py311.nbi", tmp_path / "cache" / "__pycache__" / "x.nbc"]
+    other = tmp_path / "__pycache__" / "weights.cpython-311.pyc"
+    for f in kernels + [other]:
+        f.parent.mkdir(parents=True, exist_ok=True)
+        f.write_text("compiled")
+    (tmp_path / "__pycache__" / "cpu_jit.stamp").write_text("an older cpu_jit.py")
+    drop_stale_kernels(tmp_path)
+    assert not any(f.exists() for f in kernels) and other.exists()
+    for f in kernels:
+        f.write_text("compiled")
+    drop_stale_kernels(tmp_path)  # the stamp now matches: nothing dropped
+    assert all(f.exists() for f in kernels)

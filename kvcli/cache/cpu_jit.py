@@ -6,6 +6,9 @@ not depend on how many rows share a call: the server's sequences get the same bi
 
 from __future__ import annotations
 
+import hashlib
+from pathlib import Path
+
 import numpy as np
 
 try:  # an optional speed-up: without numba, attention runs torch's reference path
@@ -16,6 +19,33 @@ try:  # an optional speed-up: without numba, attention runs torch's reference pa
     from numba.extending import intrinsic, overload
 except ImportError:  # pragma: no cover - numba is a dependency; kept optional for odd platforms
     numba = None
+
+
+def drop_stale_kernels(package: Path = Path(__file__).resolve().parents[1]) -> None:
+    """numba keys a kernel's cache on its own file's time stamp only: a kernel compiled against an older version of
+    this file's intrinsics and flags would load as it was (a `git pull` that changes only this file; seen here: an
+    attention kernel returning wrong values). So the compiled kernels in the package's __pycache__ folders are dropped
+    whenever this file's contents change (a stamp of them kept there). A read-only install is left alone: installing
+    wrote every file anew, and its caches live elsewhere."""
+    stamp = hashlib.sha1(Path(__file__).read_bytes()).hexdigest()
+    mark = package / "__pycache__" / "cpu_jit.stamp"
+    try:
+        if mark.read_text() == stamp:
+            return
+    except OSError:
+        pass
+    try:
+        for folder in (package / "__pycache__", package / "cache" / "__pycache__"):
+            for f in folder.glob("*.nb[ic]"):
+                f.unlink(missing_ok=True)
+        mark.parent.mkdir(exist_ok=True)
+        mark.write_text(stamp)
+    except OSError:
+        pass
+
+
+if numba is not None:
+    drop_stale_kernels()
 
 
 def available() -> bool:
