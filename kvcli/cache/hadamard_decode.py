@@ -188,11 +188,24 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: torch.Tensor, window: tuple
     else:
         wk, wv, wmask = (t.contiguous() for t in window)  # C-contiguous everywhere: one compiled signature
     out = torch.empty(B, H, G, D)
-    _attend(_np(qm.contiguous()), _np(k.rot), _np(k.rot_t), _np(k.data[layer].contiguous()),
-            _np(k.scale[layer].contiguous()), _np(k.sink[layer].float()), _np(k.offset[layer, :, 0].contiguous()),
-            _np(v.data[layer].contiguous()), _np(v.scale[layer].contiguous()), _np(v.sink[layer].float()),
-            _np(v.offset[layer, :, 0].contiguous()), _np(wk), _np(wv), _np(wmask), _np(lim.contiguous()), _np(out))
+    kd, ks, ko = _views(k, layer)
+    vd, vs, vo = _views(v, layer)
+    _attend(_np(qm.contiguous()), _np(k.rot), _np(k.rot_t), kd, ks, _np(k.sink[layer].float()), ko,
+            vd, vs, _np(v.sink[layer].float()), vo, _np(wk), _np(wv), _np(wmask), _np(lim.contiguous()), _np(out))
     return out
+
+
+def _views(store, layer: int) -> tuple:
+    """A layer's codes, scales and offsets of a store (or of a `rows` view of one) as numpy views, made once: a
+    dozen tensor-to-array conversions a layer were ~25 us of a decode step's 30 layers."""
+    key = (layer, store.data.data_ptr(), store.batch)
+    views = store.kernel_views.get(key)
+    if views is None:
+        parts = store.data[layer], store.scale[layer], store.offset[layer, :, 0]
+        views = tuple(_np(t.contiguous()) for t in parts)
+        if all(t.is_contiguous() for t in parts):  # views of the buffers (a copy would go stale)
+            store.kernel_views[key] = views
+    return views
 
 
 def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
