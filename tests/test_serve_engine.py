@@ -135,9 +135,10 @@ def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flas
         batched = llm.model.forward_slots(tokens, rows, pos)
         for b in range(4):
             alone = llm.model(torch.tensor([tokens[b]]), solo[b], pos[b])[0, -1]
-            torch.testing.assert_close(batched[b], alone, rtol=0, atol=0.15)  # logits span about 30
+            # logits span about 30; a code moved by a step moved one by up to 0.20 (0.03-0.20 over six prompt sets)
+            torch.testing.assert_close(batched[b], alone, rtol=0, atol=0.25)
             top = alone.topk(2).values
-            if top[0] - top[1] > 0.3:  # the same token, unless the two best are within the logits' tolerance
+            if top[0] - top[1] > 0.5:  # the same token, unless the two best are within the logits' tolerance
                 assert int(batched[b].argmax()) == int(alone.argmax())
         tokens = [[int(batched[b].argmax())] for b in range(4)]
         pos = [p + 1 for p in pos]

@@ -123,6 +123,18 @@ def exp_f32(x):
     raise NotImplementedError  # compiled only (the overload below)
 
 
+def prefetch(a, i):
+    """Ask for the cache line of element i of the contiguous array a (LLVM's prefetch: read, kept in every level): no
+    result, no fault past the end. For reads the CPU's own prefetcher does not see coming (another stream's start)."""
+    raise NotImplementedError  # compiled only (the intrinsic below)
+
+
+def hadamard16(x, i):
+    """x[i:i+16] <- H16 x[i:i+16] in place (Sylvester's Hadamard matrix of order 16, unnormalised; x f32, C order): four
+    butterfly levels as vector shuffles (a numba loop over them stays scalar), the last levels of a longer transform."""
+    raise NotImplementedError  # compiled only (the intrinsic below)
+
+
 def from_f32(x, like):
     """f32 x as an element of the dense store whose elements are like `like`: f32 as is, f16 bits (uint16)
     through LLVM's half type and bf16 bits (int16), both rounded to nearest even as torch's conversions."""
@@ -197,6 +209,48 @@ if numba is not None:
             return builder.select(tiny, c(0.0), builder.fmul(p, two_n))
 
         return types.float32(types.float32), codegen
+
+    @intrinsic
+    def _prefetch(typingctx, a, i):
+        def codegen(context, builder, signature, args):
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch")
+            at = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+            builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+            return context.get_dummy_value()
+
+        return types.none(a, types.int64), codegen
+
+    @intrinsic
+    def _hadamard16(typingctx, x, i):
+        def codegen(context, builder, signature, args):
+            f32, i1, i32 = ir.FloatType(), ir.IntType(1), ir.IntType(32)
+            vf = ir.VectorType(f32, 16)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            at = builder.bitcast(builder.gep(data, [args[1]]), vf.as_pointer())
+            v = builder.load(at, align=4)
+            for d in (1, 2, 4, 8):  # lane l pairs with l ^ d: the lower one takes a + b, the upper a - b
+                p = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 16), [l ^ d for l in range(16)]))
+                lower = ir.Constant(ir.VectorType(i1, 16), [int(not l & d) for l in range(16)])
+                v = builder.select(lower, builder.fadd(v, p), builder.fsub(p, v))
+            builder.store(v, at, align=4)
+            return context.get_dummy_value()
+
+        return types.none(x, types.int64), codegen
+
+    @overload(hadamard16, inline="always")
+    def _hadamard16_overload(x, i):
+        if isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" and x.ndim == 1:
+            return lambda x, i: _hadamard16(x, np.int64(i))
+        return None
+
+    @overload(prefetch, inline="always")
+    def _prefetch_overload(a, i):
+        if isinstance(a, types.Array) and a.layout == "C":
+            return lambda a, i: _prefetch(a, np.int64(i))
+        return None
 
     @overload(exp_f32, inline="always")
     def _exp_f32_overload(x):

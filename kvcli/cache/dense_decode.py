@@ -4,7 +4,7 @@ layer instead of a dozen torch ops with their fixed costs and an f32 copy of the
 
 For each sequence b, KV head h and query head g of its group: scores q . k_t over positions t < lim[b], one
 softmax (online, over chunks of CHUNK positions: the scratch stays small at any depth), the values summed.
-Elements are read where they lie and widened to f32 a row at a time (cpu_jit.to_f32). Each (sequence, head)
+Elements are read where they lie and widened to f32 where used (cpu_jit.to_f32). Each (sequence, head)
 is computed alone, in the same order whatever shares the call: a sequence's bits are the same alone and in
 a batch. Figures: benchmarks/README.md.
 """
@@ -16,7 +16,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import LANES, available, exp_f32, from_f32, jit, jit_reassociating, numba, to_f32
+from kvcli.cache.cpu_jit import LANES, available, exp_f32, from_f32, jit, jit_reassociating, numba, prefetch, to_f32
 
 CHUNK = 256  # positions scored at a time (the online softmax's step)
 # With several threads the reference spreads its products over them and, past about this many positions read
@@ -31,7 +31,6 @@ def _attend(qm, scale, kdat, vdat, lim, out):
     as uint16 / int16 bits; lim (B,) int64: positions 0..lim[b]-1 are read -> out (B, H, G, D) f32."""
     B, H, G, D = qm.shape
     s = np.empty((G, CHUNK), np.float32)
-    rows = np.empty((CHUNK, D), np.float32)  # a chunk of keys, then of values, as f32
     acc = np.empty((G, D), np.float32)
     mx = np.empty(G, np.float32)
     total = np.empty(G, np.float32)
@@ -42,16 +41,18 @@ def _attend(qm, scale, kdat, vdat, lim, out):
             mx[:] = -np.inf
             total[:] = 0
             q, kb, vb = qm[b, h], kdat[b, h], vdat[b, h]
+            # the next head's keys, asked for while this one's values are summed (a new stream: the CPU's own
+            # prefetcher would meet it cold); the values are asked for while the keys are scored
+            kn = kdat[b, h + 1] if h + 1 < H else kdat[b + 1, 0] if b + 1 < B else kb
             for c0 in range(0, n, CHUNK):
                 c = min(CHUNK, n - c0)
+                # each row widened where it is used, G times (cheaper than an f32 copy of the chunk stored and reread)
                 for t in range(c):
-                    for e in range(D):
-                        rows[t, e] = to_f32(kb[c0 + t, e])
-                for t in range(c):
+                    prefetch(vb, (c0 + t) * D)
                     for g in range(G):
                         a = np.float32(0)
                         for e in range(D):
-                            a += q[g, e] * rows[t, e]
+                            a += q[g, e] * to_f32(kb[c0 + t, e])
                         s[g, t] = a * scale
                 for g in range(G):  # FlashAttention's recurrence: rescale what came before to the new maximum
                     m = mx[g]
@@ -67,13 +68,11 @@ def _attend(qm, scale, kdat, vdat, lim, out):
                         acc[g, e] *= r
                     mx[g] = m
                 for t in range(c):
-                    for e in range(D):
-                        rows[t, e] = to_f32(vb[c0 + t, e])
-                for t in range(c):
+                    prefetch(kn, (c0 + t) * D)
                     for g in range(G):
                         p = s[g, t]
                         for e in range(D):
-                            acc[g, e] += p * rows[t, e]
+                            acc[g, e] += p * to_f32(vb[c0 + t, e])
             for g in range(G):
                 inv = np.float32(1) / total[g]
                 for e in range(D):

@@ -107,7 +107,7 @@ class RotatedStore(Store):
         if D & (D - 1):
             raise KvcliError(f"cache type {self.name} needs a power-of-two head size, got {D}")
         self.rot = rotation(D).to(self.device)  # r = x @ rot.T
-        self.rot_t = self.rot.T.contiguous()
+        self.rot_first_row = self.rot[0].contiguous()  # s / sqrt(D): the CPU kernel's rotations (hadamard_decode)
         self.sink = torch.zeros(L, B, H, min(self.n_sink, n), D, dtype=torch.float16, device=self.device)
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
         # per layer and sequence: has the offset been set (a `rows` view shares it, reading rows row0..)

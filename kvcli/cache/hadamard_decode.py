@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import LANES, available, dot, exp_f32, jit, lane_sum, numba
+from kvcli.cache.cpu_jit import LANES, available, dot, exp_f32, hadamard16, jit, lane_sum, numba
 
 # The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
 # cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
@@ -35,13 +35,31 @@ EIGHT = np.float32(8)  # the codes' bias; f32 so that numba keeps the sums in f3
 
 
 @jit
-def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wmask, lim, out):
-    """qm (B, H, G, D) f32: the scaled query in the model's space; rot (D, D) f32: R (x_rot = R x), rot_t: R^T; kdat (B, H, n_pad / T, D, T / 2)
+def _walsh_hadamard(x):
+    """x (D,) f32, D a power of two >= 16 <- H x in place (Sylvester's H, unnormalised): butterflies at distances 16,
+    32, .. over whole vectors, the four shorter ones inside each 16 (cpu_jit.hadamard16)."""
+    D = x.shape[0]
+    for i in range(0, D, 16):
+        hadamard16(x, i)
+    d = 16
+    while d < D:
+        for i in range(0, D, 2 * d):
+            for j in range(i, i + d):
+                a, c = x[j], x[j + d]
+                x[j], x[j + d] = a + c, a - c
+        d *= 2
+
+
+@jit
+def _attend(qm, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wmask, lim, out):
+    """qm (B, H, G, D) f32: the scaled query in the model's space; sgn (D,) f32: the first row of the rotation R =
+    H diag(s) / sqrt(D) (hadamard.rotation), s / sqrt(D), so that R x = H (sgn x) and R^T y = sgn (H y); kdat (B, H, n_pad / T, D, T / 2)
     uint8 key tiles, vdat (B, H, D / W, n_pad, W / 2) value tiles, ksc/vsc (B, H, D / 32, n_pad) int16 (bf16 bits);
     ksink/vsink (B, H, S, D) f32 rotated sinks; koff/voff (B, H, D) f32 offsets; wk/wv (B, H, N, D) f32 window
     slots, wmask (B, N) bool (True: not read); lim (B,) int64: store positions 0..lim[b]-1 are read.
-    -> out (B, H, G, D) f32 in the model's space. The rotations are done here, row by row, so that a row's bits
-    do not depend on how many others share the call (a batched matmul's blocking does)."""
+    -> out (B, H, G, D) f32 in the model's space. The rotations are done here, row by row (fast Walsh-Hadamard
+    transforms, D log D additions where a product with R took D^2 multiply-adds), so that a row's bits do not depend
+    on how many others share the call (a batched matmul's blocking does)."""
     B, H, G, D = qm.shape
     T2 = kdat.shape[4]
     T = 2 * T2
@@ -73,12 +91,10 @@ def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
         m0 = min(S, n)  # sinks among the read positions
         nt = (n + T - 1) // T
         for h in range(H):
-            qb[:, :] = 0
-            for g in range(G):  # qb = R q as a sum of R's columns (rows of R^T)
+            for g in range(G):  # qb = R q
                 for e in range(D):
-                    qe = qm[b, h, g, e]
-                    for f in range(D):
-                        qb[g, f] += qe * rot_t[e, f]
+                    qb[g, e] = qm[b, h, g, e] * sgn[e]
+                _walsh_hadamard(qb[g])
             # ---- scores ----
             for g in range(G):
                 for w in range(N):
@@ -162,14 +178,9 @@ def _attend(qm, rot, rot_t, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
                 for e in range(D):
                     acc[g, e] += past * voff[b, h, e]
                 inv = np.float32(1) / psum[g]
-                og = out[b, h, g]
-                og[:] = accw[g]
-                for f in range(D):  # back from the rotated space: x = R^T x_rot, a sum of R's rows
-                    af = acc[g, f]
-                    for e in range(D):
-                        og[e] += af * rot[f, e]
+                _walsh_hadamard(acc[g])  # back from the rotated space: x = R^T x_rot
                 for e in range(D):
-                    og[e] *= inv
+                    out[b, h, g, e] = (accw[g, e] + acc[g, e] * sgn[e]) * inv
 
 
 def _np(t: torch.Tensor) -> np.ndarray:
@@ -190,7 +201,7 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: torch.Tensor, window: tuple
     out = torch.empty(B, H, G, D)
     kd, ks, ko = _views(k, layer)
     vd, vs, vo = _views(v, layer)
-    _attend(_np(qm.contiguous()), _np(k.rot), _np(k.rot_t), kd, ks, _np(k.sink[layer].float()), ko,
+    _attend(_np(qm.contiguous()), _np(k.rot_first_row), kd, ks, _np(k.sink[layer].float()), ko,
             vd, vs, _np(v.sink[layer].float()), vo, _np(wk), _np(wv), _np(wmask), _np(lim.contiguous()), _np(out))
     return out
 
@@ -244,6 +255,6 @@ def warm_up(cache=None) -> None:
         return
     f32 = np.float32
     z4, z5 = np.zeros((1, 1, 1, 32), f32), np.zeros((1, 1, 1, 32, 16), np.uint8)
-    _attend(z4, np.eye(32, dtype=f32), np.eye(32, dtype=f32), z5, np.zeros((1, 1, 1, 32), np.int16), z4,
+    _attend(z4, np.ones(32, f32), z5, np.zeros((1, 1, 1, 32), np.int16), z4,
             np.zeros((1, 1, 32), f32), z5.copy(), np.zeros((1, 1, 1, 32), np.int16), z4, np.zeros((1, 1, 32), f32),
             z4, z4, np.zeros((1, 1), np.bool_), np.ones(1, np.int64), np.empty((1, 1, 1, 32), f32))
