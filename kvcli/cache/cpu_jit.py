@@ -125,7 +125,7 @@ def exp_f32(x):
 
 def prefetch(a, i):
     """Ask for the cache line of element i of the contiguous array a (LLVM's prefetch: read, kept in every level): no
-    result, no fault past the end. For reads the CPU's own prefetcher does not see coming (another stream's start)."""
+    result, no fault past the end or anywhere else. For reads the CPU's own prefetcher does not see coming (another stream's start)."""
     raise NotImplementedError  # compiled only (the intrinsic below)
 
 
@@ -248,7 +248,7 @@ if numba is not None:
 
     @overload(prefetch, inline="always")
     def _prefetch_overload(a, i):
-        if isinstance(a, types.Array) and a.layout == "C":
+        if isinstance(a, types.Array):  # i counts from the first element in memory (a hint: any address is safe)
             return lambda a, i: _prefetch(a, np.int64(i))
         return None
 

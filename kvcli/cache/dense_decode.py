@@ -81,14 +81,14 @@ def _attend(qm, scale, kdat, vdat, lim, out):
 
 @jit
 def _put(kdat, vdat, knew, vnew, pos):
-    """knew, vnew (B, H, D) f32 -> kdat, vdat (B, H, n_ctx, D) (as in _attend) at position pos[b] of sequence b."""
-    B, H, D = knew.shape
+    """knew, vnew (B, 1, H, D) f32 -> kdat, vdat (B, H, n_ctx, D) (as in _attend) at position pos[b] of sequence b."""
+    B, _, H, D = knew.shape
     for b in range(B):
         p = pos[b]
         for h in range(H):
             for e in range(D):
-                kdat[b, h, p, e] = from_f32(knew[b, h, e], kdat[b, h, p, e])
-                vdat[b, h, p, e] = from_f32(vnew[b, h, e], vdat[b, h, p, e])
+                kdat[b, h, p, e] = from_f32(knew[b, 0, h, e], kdat[b, h, p, e])
+                vdat[b, h, p, e] = from_f32(vnew[b, 0, h, e], vdat[b, h, p, e])
 
 
 _BITS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
@@ -102,19 +102,23 @@ def covers(store) -> bool:
 def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor:
     """qm (B, Hkv, G, D) f32, the query (scores scaled by 1 / sqrt(D) here); lim (B,) int64: each sequence reads
     positions 0..lim-1 -> the attention output (B, Hkv, G, D) f32."""
-    k, v = cache.k.data[layer], cache.v.data[layer]  # (B, Hkv, n_ctx, D): contiguous, a rows view's too
     out = np.empty(qm.shape, np.float32)
-    _attend(qm.contiguous().numpy(), np.float32(1 / math.sqrt(qm.shape[-1])), k.view(_BITS[k.dtype]).numpy(),
-            v.view(_BITS[v.dtype]).numpy(), lim, out)
+    _attend(qm.contiguous().numpy(), np.float32(1 / math.sqrt(qm.shape[-1])), _bits(cache.k, layer), _bits(cache.v, layer),
+            lim, out)
     return torch.from_numpy(out)
+
+
+def _bits(store, layer: int) -> np.ndarray:
+    """A layer's data (B, Hkv, n_ctx, D) of a dense store (or of a `rows` view of one) as the kernels' numpy array: f32,
+    or f16 / bf16 bits as uint16 / int16. Made once per layer and rows."""
+    return store.kernel_arrays("dense", layer, lambda: (store.data[layer].view(_BITS[store.dtype]),), torch.Tensor.numpy)[0]
 
 
 def put(k_store, v_store, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
     """Store.store_pair of one new token per sequence (k, v (B, 1, Hkv, D) f32, any strides) at pos, an int or
     (B,) each sequence's own, in one compiled pass: the bits torch's conversions give, without their dozen ops."""
-    kd, vd = k_store.data[layer], v_store.data[layer]
     p = pos.numpy() if torch.is_tensor(pos) else np.full(k.shape[0], pos, np.int64)
-    _put(kd.view(_BITS[kd.dtype]).numpy(), vd.view(_BITS[vd.dtype]).numpy(), k[:, 0].numpy(), v[:, 0].numpy(), p)
+    _put(_bits(k_store, layer), _bits(v_store, layer), k.numpy(), v.numpy(), p)
 
 
 def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
@@ -139,6 +143,6 @@ def warm_up(cache) -> None:
     k, v = (torch.zeros(2, 1, 1, LANES, dtype=t).view(_BITS[t]).numpy() for t in (cache.k.dtype, cache.v.dtype))
     z = np.zeros((2, 1, 1, LANES), np.float32)
     _attend(z, np.float32(1), k, v, np.ones(2, np.int64), np.empty_like(z))
-    new = np.zeros((2, 2, LANES), np.float32)[:, :1]  # a batch's new rows are strided (one sequence's contiguous)
+    new = np.zeros((2, 1, 2, LANES), np.float32)[:, :, :1]  # a batch's new rows are strided (one sequence's contiguous)
     for rows in (new, new[:1]):
         _put(k, v, rows, rows, np.zeros(len(rows), np.int64))

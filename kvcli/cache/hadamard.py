@@ -113,9 +113,6 @@ class RotatedStore(Store):
         # per layer and sequence: has the offset been set (a `rows` view shares it, reading rows row0..)
         self.offset_set = [[False] * B for _ in range(L)]
         self.centred = self.offset_keys if self.keys else self.offset_values
-        # the CPU decode kernel's numpy views of a layer's buffers, by (layer, first byte, rows): shared with `rows`
-        # views (same buffers), made once (kvcli/cache/hadamard_decode.py)
-        self.kernel_views: dict = {}
 
     def to_storage(self, x: torch.Tensor) -> torch.Tensor:
         return x @ self.rot.T

@@ -207,16 +207,9 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: torch.Tensor, window: tuple
 
 
 def _views(store, layer: int) -> tuple:
-    """A layer's codes, scales and offsets of a store (or of a `rows` view of one) as numpy views, made once: a
-    dozen tensor-to-array conversions a layer were ~25 us of a decode step's 30 layers."""
-    key = (layer, store.data.data_ptr(), store.batch)
-    views = store.kernel_views.get(key)
-    if views is None:
-        parts = store.data[layer], store.scale[layer], store.offset[layer, :, 0]
-        views = tuple(_np(t.contiguous()) for t in parts)
-        if all(t.is_contiguous() for t in parts):  # views of the buffers (a copy would go stale)
-            store.kernel_views[key] = views
-    return views
+    """A layer's codes, scales and offsets of a store (or of a `rows` view of one) as numpy views, made once."""
+    return store.kernel_arrays("q4_hadamard", layer,
+                               lambda: (store.data[layer], store.scale[layer], store.offset[layer, :, 0]), _np)
 
 
 def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
