@@ -26,7 +26,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import LANES, available, dot, exp_f32, hadamard16, jit, lane_sum, numba
+from kvcli.cache.cpu_jit import LANES, available, dot, exp_f32, hadamard16, jit, lane_sum, numba, to_f32
 
 # The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
 # cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
@@ -51,11 +51,11 @@ def _walsh_hadamard(x):
 
 
 @jit
-def _attend(qm, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wmask, lim, out):
-    """qm (B, H, G, D) f32: the scaled query in the model's space; sgn (D,) f32: the first row of the rotation R =
+def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wmask, lim, out):
+    """qm (B, H, G, D) f32: the query in the model's space, its scores scaled by `scale`; sgn (D,) f32: the first row of the rotation R =
     H diag(s) / sqrt(D) (hadamard.rotation), s / sqrt(D), so that R x = H (sgn x) and R^T y = sgn (H y); kdat (B, H, n_pad / T, D, T / 2)
     uint8 key tiles, vdat (B, H, D / W, n_pad, W / 2) value tiles, ksc/vsc (B, H, D / 32, n_pad) int16 (bf16 bits);
-    ksink/vsink (B, H, S, D) f32 rotated sinks; koff/voff (B, H, D) f32 offsets; wk/wv (B, H, N, D) f32 window
+    ksink/vsink (B, H, S, D) rotated sinks, f16 bits (uint16); koff/voff (B, H, D) f32 offsets; wk/wv (B, H, N, D) f32 window
     slots, wmask (B, N) bool (True: not read); lim (B,) int64: store positions 0..lim[b]-1 are read.
     -> out (B, H, G, D) f32 in the model's space. The rotations are done here, row by row (fast Walsh-Hadamard
     transforms, D log D additions where a product with R took D^2 multiply-adds), so that a row's bits do not depend
@@ -82,7 +82,9 @@ def _attend(qm, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wma
     qoff = np.empty(G, np.float32)
     pd = np.empty((G, NB), np.float32)
     lanes = np.empty(LANES, np.float32)
-    qb = np.empty((G, D), np.float32)  # the query rotated into the stores' space
+    qs = np.empty((G, D), np.float32)  # the scaled query
+    qb = np.empty((G, D), np.float32)  # ... rotated into the stores' space
+    sink = np.empty((S, D), np.float32)  # a head's sinks (keys, then values) widened
     acc = np.empty((G, D), np.float32)
     accw = np.empty((G, D), np.float32)
     psum = np.empty(G, np.float32)
@@ -93,7 +95,8 @@ def _attend(qm, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wma
         for h in range(H):
             for g in range(G):  # qb = R q
                 for e in range(D):
-                    qb[g, e] = qm[b, h, g, e] * sgn[e]
+                    qs[g, e] = qm[b, h, g, e] * scale
+                    qb[g, e] = qs[g, e] * sgn[e]
                 _walsh_hadamard(qb[g])
             # ---- scores ----
             for g in range(G):
@@ -101,7 +104,7 @@ def _attend(qm, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wma
                     if wmask[b, w]:
                         s[g, w] = -np.inf
                     else:
-                        s[g, w] = dot(qm[b, h, g], wk[b, h, w], D, lanes)
+                        s[g, w] = dot(qs[g], wk[b, h, w], D, lanes)
                 qoff[g] = dot(qb[g], koff[b, h], D, lanes)
                 for k in range(NB):
                     qsum[g, k] = lane_sum(qb[g], 32 * k, 32 * k + 32, lanes)
@@ -130,9 +133,12 @@ def _attend(qm, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wma
                     for g in range(G):
                         for j in range(T):
                             s[g, N + T * i + j] += dt[k, j] * (part[g, j] - EIGHT * qsum[g, k])
+            for t in range(m0):  # the sinks: their f16 copies, no offset
+                for e in range(D):
+                    sink[t, e] = to_f32(ksink[b, h, t, e])
             for g in range(G):
-                for t in range(m0):  # the sinks: their f16 copies, no offset
-                    s[g, N + t] = dot(qb[g], ksink[b, h, t], D, lanes)
+                for t in range(m0):
+                    s[g, N + t] = dot(qb[g], sink[t], D, lanes)
             # ---- softmax (unnormalised; divided at the end) ----
             for g in range(G):
                 mx = np.float32(-np.inf)
@@ -169,12 +175,15 @@ def _attend(qm, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wma
                         for j in range(W2):
                             ag[j] += plo * ulo[j]
                             ag[W2 + j] += phi * uhi[j]
+            for t in range(m0):
+                for e in range(D):
+                    sink[t, e] = to_f32(vsink[b, h, t, e])
             for g in range(G):
                 past = lane_sum(s[g], N + m0, N + n, lanes)  # the weight past the sinks carries the offset
                 for t in range(m0):
                     p = s[g, N + t]
                     for e in range(D):
-                        acc[g, e] += p * vsink[b, h, t, e]
+                        acc[g, e] += p * sink[t, e]
                 for e in range(D):
                     acc[g, e] += past * voff[b, h, e]
                 inv = np.float32(1) / psum[g]
@@ -187,29 +196,29 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def attend(qm: torch.Tensor, cache, layer: int, lim: torch.Tensor, window: tuple | None) -> torch.Tensor:
-    """qm (B, Hkv, G, D) f32, the scaled query in the model's space; lim (B,) int64: each sequence reads
-    store positions 0..lim-1; window: (k, v (B, Hkv, N, D) f32, masked (B, N) bool) or None ->
-    the attention output (B, Hkv, G, D) f32 in the model's space."""
-    k, v = cache.k, cache.v
-    B, H, G, D = qm.shape
+def attend(q: torch.Tensor, scale: float, cache, layer: int, lim: np.ndarray, window: tuple | None) -> torch.Tensor:
+    """q (B, Hkv, G, D) f32, the query in the model's space, its scores scaled by `scale`; lim (B,) int64: each
+    sequence reads store positions 0..lim-1; window: (k, v (B, Hkv, N, D) f32, masked (B, N) bool array) or None
+    -> the attention output (B, Hkv, G, D) f32 in the model's space."""
+    B, H, G, D = q.shape
     if window is None:
-        wk = wv = qm.new_zeros(B, H, 0, D)
-        wmask = torch.zeros(B, 0, dtype=torch.bool)
-    else:
-        wk, wv, wmask = (t.contiguous() for t in window)  # C-contiguous everywhere: one compiled signature
-    out = torch.empty(B, H, G, D)
-    kd, ks, ko = _views(k, layer)
-    vd, vs, vo = _views(v, layer)
-    _attend(_np(qm.contiguous()), _np(k.rot_first_row), kd, ks, _np(k.sink[layer].float()), ko,
-            vd, vs, _np(v.sink[layer].float()), vo, _np(wk), _np(wv), _np(wmask), _np(lim.contiguous()), _np(out))
-    return out
+        wk = wv = np.zeros((B, H, 0, D), np.float32)
+        wmask = np.zeros((B, 0), np.bool_)
+    else:  # C-contiguous everywhere: one compiled signature
+        wk, wv, wmask = window[0].contiguous().numpy(), window[1].contiguous().numpy(), window[2]
+    out = np.empty((B, H, G, D), np.float32)
+    kd, ks, ksink, ko, sgn = _views(cache.k, layer)
+    vd, vs, vsink, vo, _ = _views(cache.v, layer)
+    _attend(q.contiguous().numpy(), np.float32(scale), sgn, kd, ks, ksink, ko, vd, vs, vsink, vo, wk, wv, wmask, lim,
+            out)
+    return torch.from_numpy(out)
 
 
 def _views(store, layer: int) -> tuple:
-    """A layer's codes, scales and offsets of a store (or of a `rows` view of one) as numpy views, made once."""
-    return store.kernel_arrays("q4_hadamard", layer,
-                               lambda: (store.data[layer], store.scale[layer], store.offset[layer, :, 0]), _np)
+    """A layer's codes, scales, sinks (f16 bits) and offsets of a store (or of a `rows` view of one), and the rotation's
+    first row, as numpy views, made once."""
+    return store.kernel_arrays("q4_hadamard", layer, lambda: (store.data[layer], store.scale[layer], store.sink[layer].view(
+        torch.uint16), store.offset[layer, :, 0], store.rot_first_row), _np)
 
 
 def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
@@ -230,15 +239,15 @@ def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) 
     if deepest > MAX_POSITIONS:
         return None
     if recent is None:
-        lim = pos + 1 if rows else torch.full((B,), pos + 1)
+        lim = (pos + 1).numpy() if rows else np.full(B, pos + 1, np.int64)
         window = None
     elif recent.masked is not None:
-        lim, window = recent.lim.view(B), (recent.k, recent.v, recent.masked.view(B, -1))
+        lim, window = recent.lim.view(B).numpy(), (recent.k, recent.v, recent.masked.view(B, -1).numpy())
     else:
-        lim = torch.full((B,), deepest)
-        window = (recent.k, recent.v, torch.zeros(B, recent.k.shape[2], dtype=torch.bool))
-    qm = q.reshape(B, Hkv, H // Hkv, D) * (1.0 / math.sqrt(D))  # (B, Hkv, G, D): T = 1
-    return attend(qm, cache, layer, lim, window).view(B, 1, H * D)
+        lim = np.full(B, deepest, np.int64)
+        window = (recent.k, recent.v, np.zeros((B, recent.k.shape[2]), np.bool_))
+    qm = q.reshape(B, Hkv, H // Hkv, D)  # (B, Hkv, G, D): T = 1
+    return attend(qm, 1.0 / math.sqrt(D), cache, layer, lim, window).view(B, 1, H * D)
 
 
 def warm_up(cache=None) -> None:
@@ -248,6 +257,6 @@ def warm_up(cache=None) -> None:
         return
     f32 = np.float32
     z4, z5 = np.zeros((1, 1, 1, 32), f32), np.zeros((1, 1, 1, 32, 16), np.uint8)
-    _attend(z4, np.ones(32, f32), z5, np.zeros((1, 1, 1, 32), np.int16), z4,
-            np.zeros((1, 1, 32), f32), z5.copy(), np.zeros((1, 1, 1, 32), np.int16), z4, np.zeros((1, 1, 32), f32),
-            z4, z4, np.zeros((1, 1), np.bool_), np.ones(1, np.int64), np.empty((1, 1, 1, 32), f32))
+    sinks, scales = np.zeros((1, 1, 1, 32), np.uint16), np.zeros((1, 1, 1, 32), np.int16)
+    _attend(z4, f32(1), np.ones(32, f32), z5, scales, sinks, np.zeros((1, 1, 32), f32), z5.copy(), scales, sinks,
+            np.zeros((1, 1, 32), f32), z4, z4, np.zeros((1, 1), np.bool_), np.ones(1, np.int64), np.empty_like(z4))
