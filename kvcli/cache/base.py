@@ -198,6 +198,7 @@ class KVCache:
         # K's and V's f16 windows, their heads side by side: (L, B, 2 Hkv, N, D)
         self.ring = Ring(n_layers, batch, 2 * n_kv_heads, window, head_dim, device) if window else None
         self.base, self.row0 = None, 0  # a view made by `rows`: the cache and first sequence it shows
+        self._positions: tuple[int, torch.Tensor] | None = None  # _decode_positions' (pos, (B,) tensor) of this step
 
     @staticmethod
     def has_rows(type_k: str, type_v: str) -> bool:
@@ -243,15 +244,15 @@ class KVCache:
                     self._write_row(b, layer, k[b : b + 1], v[b : b + 1], p)
             return None
         Hkv = k.shape[2]
-        writes, w = self.ring.push_rows(layer, torch.cat([k, v], 2), pos.tolist(), pos % self.window)
+        writes, w = self.ring.push_rows(layer, k, v, pos.tolist())
         if (len(writes) == k.shape[0] and all(wr.shape[1] == 1 for _, wr, _ in writes)
                 and self.k.per_row_positions and self.v.per_row_positions):  # a token a row: one write for all
             kv = torch.cat([wr for _, wr, _ in writes])  # (B, 1, 2 Hkv, D), rows in order
             self._write(layer, kv[:, :, :Hkv], kv[:, :, Hkv:], torch.tensor([w0 for _, _, w0 in writes]))
-            return Recent(w.data[:, :Hkv], w.data[:, Hkv:], w.low, self.window, w.masked, w.lim, w.high)
-        for b, write, w0 in writes:
-            self._write_row(b, layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
-        return Recent(w.data[:, :Hkv], w.data[:, Hkv:], w.low, self.window, w.masked, w.lim, w.high)
+        else:
+            for b, write, w0 in writes:
+                self._write_row(b, layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
+        return Recent(None, None, w.low, self.window, w.masked, w.lim, w.high, kv16=w.ring)
 
     def _write_row(self, b: int, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int) -> None:
         """K/V (1, T, Hkv, D) of sequence b at positions pos..pos+T-1."""
@@ -270,8 +271,20 @@ class KVCache:
                   pos: int | torch.Tensor) -> torch.Tensor:
         """Store the new K/V (B, T, Hkv, D), then attend q (B, T, H, D) over the cache -> (B, T, H*D).
         pos: as `store`. x, the block's normed input, is unused here (the hidden-state cache stores it instead)."""
+        if self.window and k.shape[1] == 1 and not torch.is_tensor(pos) and k.device.type == "cpu":
+            pos = self._decode_positions(pos, k.shape[0])
         recent = self.store(layer, k, v, pos)
         return self.attend(q, self, layer, pos, recent)
+
+    def _decode_positions(self, pos: int, batch: int) -> torch.Tensor:
+        """A decode token on the CPU with a window, at pos for every sequence, goes as the server's rows do ((B,) pos,
+        kvcli/cache/window.py push_rows): its K/V written into the ring in one compiled pass, and the ring read in
+        f16 by the decode kernel, not copied to f32 (~1 ms of a 30-layer step). (B,) pos made once a step."""
+        if pos + 1 > self.n_ctx:
+            raise KvcliError(f"context full: {pos + 1} tokens do not fit in a {self.n_ctx}-token cache")
+        if self._positions is None or self._positions[0] != pos or len(self._positions[1]) != batch:
+            self._positions = (pos, torch.full((batch,), pos))
+        return self._positions[1]
 
     def window_nbytes(self) -> int:
         return self.ring.nbytes() if self.ring else 0

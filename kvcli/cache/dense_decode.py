@@ -121,6 +121,12 @@ def put(k_store, v_store, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int
     _put(_bits(k_store, layer), _bits(v_store, layer), k.numpy(), v.numpy(), p)
 
 
+def put_rows(kbits: np.ndarray, vbits: np.ndarray, k: torch.Tensor, v: torch.Tensor, slots: list[int]) -> None:
+    """k, v (B, 1, Hkv, D) f32 -> kbits, vbits (B, Hkv, n, D) f16 bits (any strides: a window's halves) at slot slots[b]
+    of row b, rounded as torch's conversion."""
+    _put(kbits, vbits, k.numpy(), v.numpy(), np.array(slots, np.int64))
+
+
 def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
     """attend_reference's result (B, 1, H * D) for q (B, 1, H, D) at pos (an int, or (B,) each sequence's own);
     None with a window (`recent`: a dense pair keeps none unless asked, and then the reference reads it), and

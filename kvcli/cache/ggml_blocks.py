@@ -323,7 +323,7 @@ class IQ4_NLStore(GgmlBlockStore):
         values = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=x.device)
         mx = _signed_absmax(x)
         live = mx.abs() >= GROUP_MAX_EPS  # (..., 1)
-        al = x * torch.where(live, 1.0 / (mx / -127), 0.0)
+        al = (x * torch.where(live, 1.0 / (mx / -127), 0.0)).contiguous()  # x's strides otherwise: bucketize copies
         # best_index_int8: the bracketing pair by binary search, the nearer wins, ties go up
         hi = torch.bucketize(al, values, right=True).clamp_(1, 15)
         lo = hi - 1

@@ -51,12 +51,13 @@ def _walsh_hadamard(x):
 
 
 @jit
-def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, wv, wmask, lim, out):
-    """qm (B, H, G, D) f32: the query in the model's space, its scores scaled by `scale`; sgn (D,) f32: the first row of the rotation R =
-    H diag(s) / sqrt(D) (hadamard.rotation), s / sqrt(D), so that R x = H (sgn x) and R^T y = sgn (H y); kdat (B, H, n_pad / T, D, T / 2)
-    uint8 key tiles, vdat (B, H, D / W, n_pad, W / 2) value tiles, ksc/vsc (B, H, D / 32, n_pad) int16 (bf16 bits);
-    ksink/vsink (B, H, S, D) rotated sinks, f16 bits (uint16); koff/voff (B, H, D) f32 offsets; wk/wv (B, H, N, D) f32 window
-    slots, wmask (B, N) bool (True: not read); lim (B,) int64: store positions 0..lim[b]-1 are read.
+def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask, lim, out):
+    """qm (B, H, G, D) f32: the query in the model's space, its scores scaled by `scale`; sgn (D,) f32: the first
+    row of the rotation R = H diag(s) / sqrt(D) (hadamard.rotation), s / sqrt(D), so that R x = H (sgn x) and
+    R^T y = sgn (H y); kdat (B, H, n_pad / T, D, T / 2) uint8 key tiles, vdat (B, H, D / W, n_pad, W / 2) value
+    tiles, ksc/vsc (B, H, D / 32, n_pad) int16 (bf16 bits); ksink/vsink (B, H, S, D) rotated sinks, f16 bits
+    (uint16); koff/voff (B, H, D) f32 offsets; wkv (B, 2 H, N, D) f16 bits, the window's slots (K's heads, then
+    V's), wmask (B, N) bool (True: not read); lim (B,) int64: store positions 0..lim[b]-1 are read.
     -> out (B, H, G, D) f32 in the model's space. The rotations are done here, row by row (fast Walsh-Hadamard
     transforms, D log D additions where a product with R took D^2 multiply-adds), so that a row's bits do not depend
     on how many others share the call (a batched matmul's blocking does)."""
@@ -67,7 +68,7 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
     W = 2 * W2
     NB = D // 32
     S = ksink.shape[2]
-    N = wk.shape[2]
+    N = wkv.shape[2]
     n_max = 0
     for b in range(B):
         n_max = max(n_max, lim[b])
@@ -87,6 +88,7 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
     sink = np.empty((S, D), np.float32)  # a head's sinks (keys, then values) widened
     acc = np.empty((G, D), np.float32)
     accw = np.empty((G, D), np.float32)
+    win = np.empty((N, D), np.float32)  # a head's window keys, then values, widened
     psum = np.empty(G, np.float32)
     for b in range(B):
         n = lim[b]
@@ -99,12 +101,15 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
                     qb[g, e] = qs[g, e] * sgn[e]
                 _walsh_hadamard(qb[g])
             # ---- scores ----
+            for w in range(N):
+                for e in range(D):
+                    win[w, e] = to_f32(wkv[b, h, w, e])
             for g in range(G):
                 for w in range(N):
                     if wmask[b, w]:
                         s[g, w] = -np.inf
                     else:
-                        s[g, w] = dot(qs[g], wk[b, h, w], D, lanes)
+                        s[g, w] = dot(qs[g], win[w], D, lanes)
                 qoff[g] = dot(qb[g], koff[b, h], D, lanes)
                 for k in range(NB):
                     qsum[g, k] = lane_sum(qb[g], 32 * k, 32 * k + 32, lanes)
@@ -150,12 +155,15 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wk, 
             # ---- weighted sums ----
             accw[:, :] = 0
             acc[:, :] = 0
+            for w in range(N):
+                for e in range(D):
+                    win[w, e] = to_f32(wkv[b, H + h, w, e])
             for g in range(G):
                 for w in range(N):
                     p = s[g, w]
                     if p != 0:
                         for e in range(D):
-                            accw[g, e] += p * wv[b, h, w, e]
+                            accw[g, e] += p * win[w, e]
             for t in range(m0, n):
                 for k in range(NB):
                     bits[k] = (np.int32(vsc[b, h, k, t]) & 0xFFFF) << 16
@@ -196,21 +204,18 @@ def _np(t: torch.Tensor) -> np.ndarray:
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy()
 
 
-def attend(q: torch.Tensor, scale: float, cache, layer: int, lim: np.ndarray, window: tuple | None) -> torch.Tensor:
+def attend(q: torch.Tensor, scale: float, cache, layer: int, lim: np.ndarray,
+           window: tuple[np.ndarray, np.ndarray] | None) -> torch.Tensor:
     """q (B, Hkv, G, D) f32, the query in the model's space, its scores scaled by `scale`; lim (B,) int64: each
-    sequence reads store positions 0..lim-1; window: (k, v (B, Hkv, N, D) f32, masked (B, N) bool array) or None
-    -> the attention output (B, Hkv, G, D) f32 in the model's space."""
+    sequence reads store positions 0..lim-1; window: (kv (B, 2 Hkv, N, D) f16 bits (uint16), K's heads then V's,
+    masked (B, N) bool) or None -> the attention output (B, Hkv, G, D) f32 in the model's space."""
     B, H, G, D = q.shape
     if window is None:
-        wk = wv = np.zeros((B, H, 0, D), np.float32)
-        wmask = np.zeros((B, 0), np.bool_)
-    else:  # C-contiguous everywhere: one compiled signature
-        wk, wv, wmask = window[0].contiguous().numpy(), window[1].contiguous().numpy(), window[2]
+        window = np.zeros((B, 2 * H, 0, D), np.uint16), np.zeros((B, 0), np.bool_)
     out = np.empty((B, H, G, D), np.float32)
     kd, ks, ksink, ko, sgn = _views(cache.k, layer)
     vd, vs, vsink, vo, _ = _views(cache.v, layer)
-    _attend(q.contiguous().numpy(), np.float32(scale), sgn, kd, ks, ksink, ko, vd, vs, vsink, vo, wk, wv, wmask, lim,
-            out)
+    _attend(q.contiguous().numpy(), np.float32(scale), sgn, kd, ks, ksink, ko, vd, vs, vsink, vo, *window, lim, out)
     return torch.from_numpy(out)
 
 
@@ -241,11 +246,13 @@ def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) 
     if recent is None:
         lim = (pos + 1).numpy() if rows else np.full(B, pos + 1, np.int64)
         window = None
-    elif recent.masked is not None:
-        lim, window = recent.lim.view(B).numpy(), (recent.k, recent.v, recent.masked.view(B, -1).numpy())
-    else:
+    elif recent.masked is not None:  # the ring as it is (kv16), or k and v as given (a test's rows)
+        kv = recent.kv16 if recent.kv16 is not None else torch.cat([recent.k, recent.v], 1).half()
+        lim, window = recent.lim.view(B).numpy(), (kv.view(torch.uint16).numpy(), recent.masked.view(B, -1).numpy())
+    else:  # positions recent.start..pos, widened from the window's f16: back to f16 exactly
         lim = np.full(B, deepest, np.int64)
-        window = (recent.k, recent.v, np.zeros((B, recent.k.shape[2]), np.bool_))
+        kv = torch.cat([recent.k, recent.v], 1).half().view(torch.uint16)
+        window = (kv.numpy(), np.zeros((B, kv.shape[2]), np.bool_))
     qm = q.reshape(B, Hkv, H // Hkv, D)  # (B, Hkv, G, D): T = 1
     return attend(qm, 1.0 / math.sqrt(D), cache, layer, lim, window).view(B, 1, H * D)
 
@@ -259,4 +266,5 @@ def warm_up(cache=None) -> None:
     z4, z5 = np.zeros((1, 1, 1, 32), f32), np.zeros((1, 1, 1, 32, 16), np.uint8)
     sinks, scales = np.zeros((1, 1, 1, 32), np.uint16), np.zeros((1, 1, 1, 32), np.int16)
     _attend(z4, f32(1), np.ones(32, f32), z5, scales, sinks, np.zeros((1, 1, 32), f32), z5.copy(), scales, sinks,
-            np.zeros((1, 1, 32), f32), z4, z4, np.zeros((1, 1), np.bool_), np.ones(1, np.int64), np.empty_like(z4))
+            np.zeros((1, 1, 32), f32), np.zeros((1, 2, 1, 32), np.uint16), np.zeros((1, 1), np.bool_),
+            np.ones(1, np.int64), np.empty_like(z4))

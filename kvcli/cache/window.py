@@ -21,7 +21,8 @@ for the hidden-state cache `Store.default_hidden_window` where a type sets one.
 The server's slots may be rows of one cache (KVCache.rows), each at its own position: the ring keeps
 what it holds and what the store holds per sequence, and `push_rows` takes one decode token per row.
 Attention then reads each row's whole ring in slot order (a softmax ignores the order of its keys),
-masking the slots outside the positions that row reads here.
+masking the slots outside the positions that row reads here. Every decode token on the CPU goes this
+way (KVCache._decode_positions): the ring is read where it lies, in f16, by the decode kernel.
 """
 
 from __future__ import annotations
@@ -34,11 +35,12 @@ import torch
 
 @dataclass(frozen=True)
 class RowsWindow:
-    """What `Ring.push_rows` gives attention: data (B, H, N, D) f32, each row's whole ring in slot order;
-    masked (B, 1, 1, N), True where a slot holds no position its row reads here; lim (B, 1, 1, 1): row b reads
-    the store below lim[b] (the positions lim[b]..pos[b] are here); low, high: the smallest and largest lim."""
+    """What `Ring.push_rows` gives attention: ring (B, H, N, D) f16, each row's whole ring in slot order (the
+    layer's own, not a copy); masked (B, 1, 1, N), True where a slot holds no position its row reads here; lim
+    (B, 1, 1, 1): row b reads the store below lim[b] (the positions lim[b]..pos[b] are here); low, high: the
+    smallest and largest lim."""
 
-    data: torch.Tensor
+    ring: torch.Tensor
     masked: torch.Tensor
     lim: torch.Tensor
     low: int
@@ -60,6 +62,7 @@ class Ring:
         self.stored = [[0] * batch for _ in range(n_layers)]
         self._masks: dict = {}  # push_rows' masks by (positions, limits): the same for every layer of a step
         self.seqs = torch.arange(batch, device=device)  # for push_rows' per-row writes
+        self._halves: dict = {}  # per layer: the CPU's numpy views of the ring's two halves (push_rows' writes)
 
     @staticmethod
     def nbytes_for(n_layers: int, batch: int, width: int, size: int) -> int:
@@ -73,7 +76,7 @@ class Ring:
         """Sequences start..stop-1 as a ring of their own over the same bytes and bookkeeping (a view)."""
         view = copy.copy(self)
         view.data, view.batch, view.row0 = self.data[:, start:stop], stop - start, self.row0 + start
-        view._masks, view.seqs = {}, torch.arange(view.batch, device=self.data.device)
+        view._masks, view.seqs, view._halves = {}, torch.arange(view.batch, device=self.data.device), {}
         return view
 
     def _slots(self, start: int, end: int) -> list[tuple[int, int]]:
@@ -116,13 +119,12 @@ class Ring:
         self.stored[layer][rows] = [w1] * self.batch
         return span[:, :, w0 - a : w1 - a].transpose(1, 2).contiguous(), w0, recent, r0
 
-    def push_rows(self, layer: int, x: torch.Tensor, pos: list[int],
-                  slots: torch.Tensor) -> tuple[list[tuple[int, torch.Tensor, int]], RowsWindow]:
-        """Decode: x (B, 1, H, D), row b's token at position pos[b]; slots (B,): pos % N -> (writes, window):
-        writes, (b, write, w0) per row that writes to the store now, as `push` (write (1, m, H, D) f32:
-        positions w0.. of row b); window: what the rows' queries read here (RowsWindow)."""
+    def push_rows(self, layer: int, k: torch.Tensor, v: torch.Tensor,
+                  pos: list[int]) -> tuple[list[tuple[int, torch.Tensor, int]], RowsWindow]:
+        """Decode: k, v (B, 1, H / 2, D), row b's token at position pos[b] (their heads side by side are the ring's)
+        -> (writes, window): writes, (b, write, w0) per row that writes to the store now, as `push` (write (1, m, H,
+        D) f32: positions w0.. of row b); window: what the rows' queries read here (RowsWindow)."""
         N, ring = self.size, self.data[layer]
-        new = x[:, 0].to(torch.float16)  # (B, H, D): a position is quantized from its f16 copy, as in `push`
         writes, lims = [], []
         for b, p in enumerate(pos):
             row = self.row0 + b
@@ -134,15 +136,33 @@ class Ring:
                 self.stored[layer][row] = done
                 continue
             w0 = max(a, done)  # positions w0..p-1 leave over the next steps: into the store with p now
-            span = [ring[b : b + 1, :, s0:s1] for s0, s1 in self._slots(w0, p)] + [new[b : b + 1, :, None]]
+            # p from its f16 copy, as in `push`: a position is quantized from what the window holds
+            new = torch.cat([k[b : b + 1, 0], v[b : b + 1, 0]], 1).to(torch.float16)[:, :, None]  # (1, H, 1, D)
+            span = [ring[b : b + 1, :, s0:s1] for s0, s1 in self._slots(w0, p)] + [new]
             writes.append((b, torch.cat(span, 2).transpose(1, 2).float(), w0))
             self.stored[layer][row] = p + 1
-        ring[self.seqs, :, slots] = new  # after the writes read the slots
+        self._put(layer, ring, k, v, pos)  # after the writes read the slots
         key = (tuple(pos), tuple(lims))
         if key not in self._masks:
             self._masks = {key: self._rows_mask(pos, lims, ring.device)}  # one step's: the newest only
         masked, lim = self._masks[key]
-        return writes, RowsWindow(ring.float(), masked, lim, min(lims), max(lims))
+        return writes, RowsWindow(ring, masked, lim, min(lims), max(lims))
+
+    def _put(self, layer: int, ring: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: list[int]) -> None:
+        """Row b's k, v (B, 1, H / 2, D) f32 into its slot pos[b] % N as f16: on the CPU in one compiled pass over the
+        ring's numpy views (a dense store's put: the same rounding as torch's), else one index write."""
+        if ring.device.type == "cpu":
+            from kvcli.cache import dense_decode  # numba loads only where a CPU decode runs
+
+            if dense_decode.available():
+                halves = self._halves.get(layer)
+                if halves is None:
+                    bits, h = ring.view(torch.uint16), ring.shape[1] // 2
+                    halves = self._halves[layer] = (bits[:, :h].numpy(), bits[:, h:].numpy())
+                dense_decode.put_rows(*halves, k, v, [p % self.size for p in pos])
+                return
+        slots = torch.tensor([p % self.size for p in pos], device=ring.device)
+        ring[self.seqs, :, slots] = torch.cat([k, v], 2)[:, 0].to(torch.float16)
 
     def _rows_mask(self, pos: list[int], lims: list[int], device) -> tuple[torch.Tensor, torch.Tensor]:
         """(masked (B, 1, 1, N), lim (B, 1, 1, 1)): slot s of row b holds position q = p - (p - s) mod N, read
