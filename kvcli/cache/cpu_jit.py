@@ -125,7 +125,8 @@ def exp_f32(x):
 
 def prefetch(a, i):
     """Ask for the cache line of element i of the contiguous array a (LLVM's prefetch: read, kept in every level): no
-    result, no fault past the end or anywhere else. For reads the CPU's own prefetcher does not see coming (another stream's start)."""
+    result, no fault past the end or anywhere else. For reads the CPU's own prefetcher does not see coming (another
+    stream's start)."""
     raise NotImplementedError  # compiled only (the intrinsic below)
 
 

@@ -103,15 +103,18 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor
     """qm (B, Hkv, G, D) f32, the query (scores scaled by 1 / sqrt(D) here); lim (B,) int64: each sequence reads
     positions 0..lim-1 -> the attention output (B, Hkv, G, D) f32."""
     out = np.empty(qm.shape, np.float32)
-    _attend(qm.contiguous().numpy(), np.float32(1 / math.sqrt(qm.shape[-1])), _bits(cache.k, layer), _bits(cache.v, layer),
-            lim, out)
+    _attend(qm.contiguous().numpy(), np.float32(1 / math.sqrt(qm.shape[-1])), _bits(cache.k, layer),
+            _bits(cache.v, layer), lim, out)
     return torch.from_numpy(out)
 
 
 def _bits(store, layer: int) -> np.ndarray:
     """A layer's data (B, Hkv, n_ctx, D) of a dense store (or of a `rows` view of one) as the kernels' numpy array: f32,
     or f16 / bf16 bits as uint16 / int16. Made once per layer and rows."""
-    return store.kernel_arrays("dense", layer, lambda: (store.data[layer].view(_BITS[store.dtype]),), torch.Tensor.numpy)[0]
+    def parts():
+        return (store.data[layer].view(_BITS[store.dtype]),)
+
+    return store.kernel_arrays("dense", layer, parts, torch.Tensor.numpy)[0]
 
 
 def put(k_store, v_store, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:

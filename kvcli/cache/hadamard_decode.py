@@ -222,8 +222,11 @@ def attend(q: torch.Tensor, scale: float, cache, layer: int, lim: np.ndarray,
 def _views(store, layer: int) -> tuple:
     """A layer's codes, scales, sinks (f16 bits) and offsets of a store (or of a `rows` view of one), and the rotation's
     first row, as numpy views, made once."""
-    return store.kernel_arrays("q4_hadamard", layer, lambda: (store.data[layer], store.scale[layer], store.sink[layer].view(
-        torch.uint16), store.offset[layer, :, 0], store.rot_first_row), _np)
+    def parts():
+        return (store.data[layer], store.scale[layer], store.sink[layer].view(torch.uint16), store.offset[layer, :, 0],
+                store.rot_first_row)
+
+    return store.kernel_arrays("q4_hadamard", layer, parts, _np)
 
 
 def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
