@@ -85,3 +85,16 @@ def test_deep_stores_and_fa_off_take_the_reference(monkeypatch):
     assert attend_cpu_decode(q, cache, 0, 149) is None
     monkeypatch.setattr(hadamard_decode, "attend", lambda *a: pytest.fail("the kernel ran"))
     torch.testing.assert_close(Attention(flash=False)(q, cache, 0, 99), attend_reference(q, cache, 0, 99, flash=False))
+
+
+@pytest.mark.parametrize("dim", [16, 32, 64, 128])
+def test_the_rotations_are_fast_walsh_hadamard_transforms(dim):
+    """The kernel rotates with H (x * R[0]) and back with R[0] * (H y), in place: R x and R^T y to f32 rounding."""
+    R = hadamard.rotation(dim)
+    x = torch.randn(dim, generator=torch.Generator().manual_seed(dim))
+    there = (x * R[0]).numpy().copy()
+    hadamard_decode._walsh_hadamard(there)
+    torch.testing.assert_close(torch.from_numpy(there), R @ x, rtol=0, atol=1e-6)
+    back = there.copy()
+    hadamard_decode._walsh_hadamard(back)
+    torch.testing.assert_close(torch.from_numpy(back * R[0].numpy()), x, rtol=0, atol=1e-5)
