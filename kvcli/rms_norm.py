@@ -22,30 +22,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     if _kernel is None:
         from kvcli.cache import cpu_jit
 
-        _kernel = _compile(cpu_jit) if cpu_jit.available() else False
+        _kernel = False
+        if cpu_jit.available():
+            from kvcli.rms_norm_cpu import norm as _kernel
     if not _kernel:
         return F.rms_norm(x, (x.shape[-1],), weight, eps)
     return torch.from_numpy(_kernel(x.contiguous().numpy(), weight.numpy(), np.float32(eps)))
 
-
-def _compile(cpu_jit):
-    LANES, dot = cpu_jit.LANES, cpu_jit.dot
-
-    @cpu_jit.jit
-    def norm(x_any, w, eps):
-        x = x_any.reshape(-1, x_any.shape[-1])
-        out = np.empty_like(x)
-        n = x.shape[1]
-        whole = n - n % LANES
-        lanes = np.empty(LANES, np.float32)
-        for r in range(x.shape[0]):
-            row = x[r]
-            s = dot(row, row, whole, lanes)
-            for e in range(whole, n):
-                s += row[e] * row[e]
-            inv = np.float32(1) / np.sqrt(s / np.float32(n) + eps)
-            for e in range(n):
-                out[r, e] = row[e] * inv * w[e]
-        return out.reshape(x_any.shape)
-
-    return norm
