@@ -11,8 +11,9 @@ codes once for every row of x; each row takes it in one instruction a limb (vpdp
 codes by signed limbs, summed by four into int32 lanes kept in registers over a 32-column block); then, per
 block, y += s sx (xi . q) + (z - 8 s) sx sum xi, which is (sx xi) . ((q - 8) s + z). The integer sums are exact,
 y is f32. The codes stream from memory, so each block asks for the bytes PREFETCH ahead. Every row is computed in the
-same order whatever shares the call: a row's bits are the same alone and beside others (the server's slots).
-Figures: benchmarks/README.md.
+same order whatever shares the call: a row's bits are the same alone and beside others (the server's slots). At
+-t N > 1 the tiles are split in N runs made at once (numba's OpenMP threads), each column by one thread as one thread
+makes it: the same bits at any thread count. Figures: benchmarks/README.md.
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import threading
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import RNE, available, exact_jit, jit, numba
+from kvcli.cache.cpu_jit import RNE, THREADED, available, exact_jit, jit, jit_threaded, numba
 
 __all__ = ["MAX_ROWS", "Operands", "available", "covers", "warm_up"]
 
@@ -260,15 +261,67 @@ def _gemv(tiles, sz, x, doubled, xq, groups, xs, y):
     nibble) and T i + j + T / 2 (high); sz (P, Kp / 32, N_pad) int32, bf16 bits of each block's scale s (low half)
     and zero point z (high), W = (q - 8) s + z; x (M, K) f32, M <= rows. Scratch: xq (2, rows, P Kp) int8 and xs,
     quantize_rows'; groups: xq's rows by GROUP_ROWS, each a tuple of their limbs as (P, Kp / 4) int32 (the group's
-    high limbs, then its low ones). Each block is taken by one group of rows after the other while its bytes are at
-    hand: a group's sums stay in registers (eight rows' would not)."""
+    high limbs, then its low ones)."""
     quantize_rows(x, doubled, xq, xs)
-    y[:, :] = 0
-    P, NT = tiles.shape[0], tiles.shape[1]
+    _span(tiles, sz, doubled, groups, xs, y, 0, tiles.shape[1])
+
+
+# _gemv with the tiles split in `threads` runs at once (-t N), each of y's columns made by one thread as _gemv makes it
+# (the same bits at any thread count); one kernel a count of rows: numba's threads take arrays, not _gemv's tuples,
+# so each builds its groups from hi, lo = xq's limbs (2, rows, P, Kp / 4) int32.
+
+
+@jit_threaded
+def _threaded_1(tiles, sz, x, doubled, xq, hi, lo, xs, y, threads):
+    quantize_rows(x, doubled, xq, xs)
+    for t in numba.prange(threads):
+        _span(tiles, sz, doubled, ((hi[0], lo[0]),), xs, y, *_run(tiles, t, threads))
+
+
+@jit_threaded
+def _threaded_2(tiles, sz, x, doubled, xq, hi, lo, xs, y, threads):
+    quantize_rows(x, doubled, xq, xs)
+    for t in numba.prange(threads):
+        _span(tiles, sz, doubled, ((hi[0], hi[1], lo[0], lo[1]),), xs, y, *_run(tiles, t, threads))
+
+
+@jit_threaded
+def _threaded_4(tiles, sz, x, doubled, xq, hi, lo, xs, y, threads):
+    quantize_rows(x, doubled, xq, xs)
+    for t in numba.prange(threads):
+        _span(tiles, sz, doubled, ((hi[0], hi[1], hi[2], hi[3], lo[0], lo[1], lo[2], lo[3]),), xs, y,
+              *_run(tiles, t, threads))
+
+
+@jit_threaded
+def _threaded_8(tiles, sz, x, doubled, xq, hi, lo, xs, y, threads):
+    quantize_rows(x, doubled, xq, xs)
+    for t in numba.prange(threads):
+        _span(tiles, sz, doubled, ((hi[0], hi[1], hi[2], hi[3], lo[0], lo[1], lo[2], lo[3]),
+                                   (hi[4], hi[5], hi[6], hi[7], lo[4], lo[5], lo[6], lo[7])), xs, y, *_run(tiles, t, threads))
+
+
+_THREADED = {1: _threaded_1, 2: _threaded_2, 4: _threaded_4, 8: _threaded_8}
+
+
+@jit
+def _run(tiles, t, threads):
+    """Thread t's tiles of `threads` runs: lo, hi."""
+    NT = tiles.shape[1]
+    return NT * t // threads, NT * (t + 1) // threads
+
+
+@jit
+def _span(tiles, sz, doubled, groups, xs, y, lo, hi):
+    """_gemv's products for tiles lo..hi (y's columns T lo .. T hi): each block is taken by one group of rows after the
+    other while its bytes are at hand (a group's sums stay in registers; eight rows' would not)."""
+    T = 2 * tiles.shape[3]
+    y[:, T * lo : T * hi] = 0
+    P = tiles.shape[0]
     G = xs.shape[2]
-    for i0 in range(0, NT, TILES_AT_ONCE):
+    for i0 in range(lo, hi, TILES_AT_ONCE):
         for p in range(P):
-            for i in range(i0, min(i0 + TILES_AT_ONCE, NT)):
+            for i in range(i0, min(i0 + TILES_AT_ONCE, hi)):
                 if doubled:  # an Int8 part: its halves' blocks g and g + G / 2 as one block of 8-bit codes
                     for g in range(G // 2):
                         for r in range(len(groups)):
@@ -285,7 +338,7 @@ _scratch = threading.local()
 
 
 def _buffers(rows: int, P: int, Kp: int):
-    """This thread's scratch for _gemv (xq, its rows' limbs as int32 by groups, xs), made once per shape."""
+    """This thread's scratch for _gemv (xq, its rows' limbs as int32: by groups, and whole; xs), made once per shape."""
     cache = _scratch.__dict__.setdefault("by_shape", {})
     key = (rows, P, Kp)
     if key not in cache:
@@ -293,7 +346,7 @@ def _buffers(rows: int, P: int, Kp: int):
         limbs = xq.view(np.int32).reshape(2, rows, P, Kp // 4)
         step = min(rows, GROUP_ROWS)
         groups = tuple(tuple(limbs[0, m : m + step]) + tuple(limbs[1, m : m + step]) for m in range(0, rows, step))
-        cache[key] = xq, groups, np.zeros((rows, P, Kp // GROUP, 2), np.float32)
+        cache[key] = xq, groups, (limbs[0], limbs[1]), np.zeros((rows, P, Kp // GROUP, 2), np.float32)
     return cache[key]
 
 
@@ -312,9 +365,16 @@ class Operands:
         (quantize_rows); the rows padded to 1, 2, 4 or 8 (a compiled kernel each)."""
         M = x.shape[0]
         rows, (P, _, Kp, _) = ROWS[M], self.tiles.shape
-        xq, groups, xs = _buffers(rows, P, Kp)
+        xq, groups, limbs, xs = _buffers(rows, P, Kp)
         y = np.empty((rows, self.n_pad), np.float32)
-        _gemv(self.tiles, self.sz, x.numpy(), self.doubled, xq, groups, xs, y)
+        threads = torch.get_num_threads()
+        if threads > 1 and THREADED:  # -t N: the tiles in N runs at once
+            if getattr(_scratch, "threads", 0) != threads:  # numba's count is per thread (and at most its default)
+                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+                _scratch.threads = threads
+            _THREADED[rows](self.tiles, self.sz, x.numpy(), self.doubled, xq, *limbs, xs, y, threads)
+        else:
+            _gemv(self.tiles, self.sz, x.numpy(), self.doubled, xq, groups, xs, y)
         return torch.from_numpy(y)[:M]
 
 

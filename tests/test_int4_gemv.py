@@ -1,6 +1,6 @@
 """Decode's product kernel (kvcli/int4_gemv.py): a few rows of x times Int4 and Int8 forms, against x quantized as
 the kernel quantizes it (int8 per 32 columns) times W dequantized in f64, for every row count it takes; a row's
-bits alone and in a batch; views."""
+bits alone, in a batch and at any thread count; views."""
 
 import pytest
 import torch
@@ -67,6 +67,24 @@ def test_same_bits_alone_and_in_a_batch():
             assert torch.equal(form.matmul(x[:M]), together[:M])
         for m in range(len(x)):
             assert torch.equal(form.matmul(x[m : m + 1]), together[m : m + 1])
+
+
+@pytest.mark.skipif(not int4_gemv.THREADED, reason="numba's OpenMP threading layer does not load here")
+def test_threads_give_the_same_bits():
+    """-t N splits the tiles over N threads: every row count, Int4 and Int8, the same bits as one thread (tiles that
+    split unevenly: 200 rows are 4 tiles of 64, or 7 of 32)."""
+    before = torch.get_num_threads()
+    try:
+        for form in _forms(200, 576):
+            x = torch.randn(int4_gemv.MAX_ROWS, 576, generator=torch.Generator().manual_seed(3))
+            for M in (1, 2, 3, 8):
+                torch.set_num_threads(1)
+                one = form.matmul(x[:M])
+                for threads in (2, 3):
+                    torch.set_num_threads(threads)
+                    assert torch.equal(form.matmul(x[:M]), one), (type(form).__name__, M, threads)
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_narrowed_forms_read_their_views():

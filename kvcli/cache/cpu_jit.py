@@ -52,6 +52,21 @@ def available() -> bool:
     return numba is not None
 
 
+def _openmp() -> bool:
+    """numba's OpenMP threading layer loads: a parallel region costs ~2 us there (its threads spin between regions),
+    ~100 us in numba's own workqueue (they sleep), far too slow for decode's products of tens of microseconds."""
+    try:
+        from numba.np.ufunc import omppool  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+THREADED = numba is not None and _openmp()
+if THREADED:
+    numba.config.THREADING_LAYER = "omp"
+
+
 # LLVM's fast-math flags less "no infinities" and "no NaNs" (masked scores are -inf) and reassociation
 FAST = {"contract", "arcp", "nsz", "afn"}
 LANES = 16  # a sum's partial sums: a fixed order (the same bits for any batch) that still fills a vector
@@ -65,6 +80,11 @@ def jit_reassociating(f):
     """jit, with sums reassociated as LLVM likes (vectorized): still one fixed order per compiled loop, so a row's
     bits stay the same whatever shares the call (the tests check it)."""
     return numba.njit(cache=True, nogil=True, fastmath=FAST | {"reassoc"})(f) if numba is not None else f
+
+
+def jit_threaded(f):
+    """jit with numba.prange loops run in threads (OpenMP): only where THREADED."""
+    return numba.njit(cache=True, nogil=True, fastmath=FAST, parallel=True)(f) if THREADED else f
 
 
 def exact_jit(f):
