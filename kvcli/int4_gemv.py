@@ -298,7 +298,8 @@ def _threaded_8(tiles, sz, x, doubled, xq, hi, lo, xs, y, threads):
     quantize_rows(x, doubled, xq, xs)
     for t in numba.prange(threads):
         _span(tiles, sz, doubled, ((hi[0], hi[1], hi[2], hi[3], lo[0], lo[1], lo[2], lo[3]),
-                                   (hi[4], hi[5], hi[6], hi[7], lo[4], lo[5], lo[6], lo[7])), xs, y, *_run(tiles, t, threads))
+                                   (hi[4], hi[5], hi[6], hi[7], lo[4], lo[5], lo[6], lo[7])), xs, y,
+              *_run(tiles, t, threads))
 
 
 _THREADED = {1: _threaded_1, 2: _threaded_2, 4: _threaded_4, 8: _threaded_8}

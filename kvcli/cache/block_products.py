@@ -12,8 +12,9 @@ pairs. The header columns (the fp16 scales) hold garbage that gets zero weight o
     the block's largest |q| (finer than rounding q to f16; llama.cpp rounds q to one int8 part).
   * Weighted sums run in f32 (the probabilities are too uneven for int8), on the bytes and their
     high nibbles as floats (low = byte - 16 high), stacked back into the plane's column order.
-Used for decode (few query rows); with many rows, dequantizing a chunk once costs less. q8_0
-keeps the dequantizing path (dequantizing it is one cast, so reading its bytes did not pay).
+Used for decode (few query rows) where kvcli/cache/dense_decode.py's compiled kernel does not run
+(no numba, a window, several threads deep in the context); with many rows, dequantizing a chunk once
+costs less. q8_0 keeps the dequantizing path here (one cast, so reading its bytes did not pay).
 A model's few massive activation dimensions make the query split hardest (SmolLM2 is the test
 case). Speed and KL figures: benchmarks/README.md. (q4_hadamard, whose layout is kvcli's own,
 stores its codes where torch's int4 GEMM reads them: kvcli/cache/int4_gemm.py.)

@@ -1,5 +1,5 @@
-"""Decode attention over dense (f32, f16, bf16) K and V on the CPU in one compiled pass (numba): what
-attend_reference computes for one query token per sequence (`kvcli run`, the server's slots), in one call a
+"""Decode attention over dense (f32, f16, bf16) or ggml q8_0 / q4_0 K and V on the CPU in one compiled pass
+(numba): what attend_reference computes for one query token per sequence (`kvcli run`, the server's slots), in one call a
 layer instead of a dozen torch ops with their fixed costs and an f32 copy of the keys and values read.
 
 For each sequence b, KV head h and query head g of its group: scores q . k_t over positions t < lim[b], one
@@ -27,13 +27,15 @@ THREADED_MAX_POSITIONS = 1024
 
 @jit_reassociating
 def _attend(qm, scale, kdat, vdat, lim, out):
-    """qm (B, H, G, D) f32, the query, scores scaled by `scale`; kdat, vdat (B, H, n_ctx, D): f32, or f16 / bf16
-    as uint16 / int16 bits; lim (B,) int64: positions 0..lim[b]-1 are read -> out (B, H, G, D) f32."""
+    """qm (B, H, G, D) f32, the query, scores scaled by `scale`; kdat, vdat (B, H, n_ctx, W): a position's head vector
+    as its store keeps it (chunk's types); lim (B,) int64: positions 0..lim[b]-1 are read -> out (B, H, G, D) f32."""
     B, H, G, D = qm.shape
+    KW, VW = kdat.shape[3], vdat.shape[3]
     s = np.empty((G, CHUNK), np.float32)
     acc = np.empty((G, D), np.float32)
     mx = np.empty(G, np.float32)
     total = np.empty(G, np.float32)
+    kbuf, vbuf = np.empty((CHUNK, D), np.float32), np.empty((CHUNK, D), np.float32)  # block stores' chunks
     for b in range(B):
         n = lim[b]
         for h in range(H):
@@ -46,13 +48,14 @@ def _attend(qm, scale, kdat, vdat, lim, out):
             kn = kdat[b, h + 1] if h + 1 < H else kdat[b + 1, 0] if b + 1 < B else kb
             for c0 in range(0, n, CHUNK):
                 c = min(CHUNK, n - c0)
+                kc = chunk(kb, c0, c, kbuf)
                 # each row widened where it is used, G times (cheaper than an f32 copy of the chunk stored and reread)
                 for t in range(c):
-                    prefetch(vb, (c0 + t) * D)
+                    prefetch(vb, (c0 + t) * VW)
                     for g in range(G):
                         a = np.float32(0)
                         for e in range(D):
-                            a += q[g, e] * to_f32(kb[c0 + t, e])
+                            a += q[g, e] * to_f32(kc[t, e])
                         s[g, t] = a * scale
                 for g in range(G):  # FlashAttention's recurrence: rescale what came before to the new maximum
                     m = mx[g]
@@ -67,16 +70,66 @@ def _attend(qm, scale, kdat, vdat, lim, out):
                     for e in range(D):
                         acc[g, e] *= r
                     mx[g] = m
+                vc = chunk(vb, c0, c, vbuf)
                 for t in range(c):
-                    prefetch(kn, (c0 + t) * D)
+                    prefetch(kn, (c0 + t) * KW)
                     for g in range(G):
                         p = s[g, t]
                         for e in range(D):
-                            acc[g, e] += p * to_f32(vb[c0 + t, e])
+                            acc[g, e] += p * to_f32(vc[t, e])
             for g in range(G):
                 inv = np.float32(1) / total[g]
                 for e in range(D):
                     out[b, h, g, e] = acc[g, e] * inv
+
+
+def chunk(rows, c0, c, buf):
+    """Positions c0..c0+c-1 of rows (n_ctx, W) as the loops above read them: a dense store's as they lie (f32, f16 bits
+    as uint16, bf16 bits as int16: widened where used), a ggml block store's dequantized into buf (CHUNK, D) f32, once
+    for the G query heads that read them (widening their codes where used, G times over, ran 3-5x f16's time).
+    q8_0's bytes come as int8 (f16 d, 32 int8 codes a block), q4_0's as uint8 (f16 d, 16 bytes: element j of the
+    block in byte j's low nibble, j + 16 in its high one, d (u - 8)), both as torch's dequantize makes them."""
+    raise NotImplementedError  # compiled only (the overload below)
+
+
+if numba is not None:
+    from numba import types
+    from numba.extending import overload
+
+    @overload(chunk, inline="always")
+    def _chunk(rows, c0, c, buf):
+        if rows.dtype == types.int8:  # q8_0
+
+            def q8_0(rows, c0, c, buf):
+                for t in range(c):
+                    for k in range(buf.shape[1] // 32):
+                        o = 34 * k
+                        d = to_f32(np.uint16((np.uint16(rows[c0 + t, o]) & 255)
+                                             | ((np.uint16(rows[c0 + t, o + 1]) & 255) << 8)))
+                        for j in range(32):
+                            buf[t, 32 * k + j] = np.float32(rows[c0 + t, o + 2 + j]) * d
+                return buf
+
+            return q8_0
+        if rows.dtype == types.uint8:  # q4_0
+
+            def q4_0(rows, c0, c, buf):
+                for t in range(c):
+                    for k in range(buf.shape[1] // 32):
+                        o = 18 * k
+                        d = to_f32(np.uint16(np.uint16(rows[c0 + t, o]) | (np.uint16(rows[c0 + t, o + 1]) << 8)))
+                        for j in range(16):
+                            u = rows[c0 + t, o + 2 + j]
+                            buf[t, 32 * k + j] = np.float32(np.int32(u & 15) - 8) * d
+                            buf[t, 32 * k + 16 + j] = np.float32(np.int32(u >> 4) - 8) * d
+                return buf
+
+            return q4_0
+
+        def dense(rows, c0, c, buf):
+            return rows[c0:]
+
+        return dense
 
 
 @jit
@@ -92,11 +145,19 @@ def _put(kdat, vdat, knew, vnew, pos):
 
 
 _BITS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
+_BLOCKS = {"q8_0": torch.int8, "q4_0": torch.uint8}  # ggml block stores read here: their bytes typed as row_dot takes
+
+
+def _element(store) -> torch.dtype | None:
+    """The type a store's rows are read as (row_dot), or None where this kernel reads none of it."""
+    if store.name in _BLOCKS and getattr(store, "data", None) is not None:
+        return _BLOCKS[store.name]
+    return _BITS.get(getattr(store, "dtype", None))
 
 
 def covers(store) -> bool:
-    """A dense store whose head size the fixed-order sums take (a multiple of LANES)."""
-    return store.dtype in _BITS and store.head_dim % LANES == 0
+    """A dense store whose head size the fixed-order sums take (a multiple of LANES), or a q8_0 / q4_0 one."""
+    return _element(store) is not None and store.head_dim % LANES == 0
 
 
 def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor:
@@ -109,10 +170,10 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor
 
 
 def _bits(store, layer: int) -> np.ndarray:
-    """A layer's data (B, Hkv, n_ctx, D) of a dense store (or of a `rows` view of one) as the kernels' numpy array: f32,
-    or f16 / bf16 bits as uint16 / int16. Made once per layer and rows."""
+    """A layer's data (B, Hkv, n_ctx, W) of a store (or of a `rows` view of one) as the kernels' numpy array: f32,
+    f16 / bf16 bits as uint16 / int16, q8_0's bytes as int8, q4_0's as uint8. Made once per layer and rows."""
     def parts():
-        return (store.data[layer].view(_BITS[store.dtype]),)
+        return (store.data[layer].view(_element(store)),)
 
     return store.kernel_arrays("dense", layer, parts, torch.Tensor.numpy)[0]
 
@@ -149,9 +210,18 @@ def warm_up(cache) -> None:
     first time: seconds), with the model, not in the first token's time."""
     if numba is None:
         return
-    k, v = (torch.zeros(2, 1, 1, LANES, dtype=t).view(_BITS[t]).numpy() for t in (cache.k.dtype, cache.v.dtype))
-    z = np.zeros((2, 1, 1, LANES), np.float32)
+    D = 32  # a head size every type takes: a row's bytes as its store keeps them
+    k, v = (_rows_like(store, D) for store in (cache.k, cache.v))
+    z = np.zeros((2, 1, 1, D), np.float32)
     _attend(z, np.float32(1), k, v, np.ones(2, np.int64), np.empty_like(z))
-    new = np.zeros((2, 1, 2, LANES), np.float32)[:, :, :1]  # a batch's new rows are strided (one sequence's contiguous)
+    if cache.k.name in _BLOCKS or cache.v.name in _BLOCKS:
+        return  # the block stores write their own way (put is dense's)
+    new = np.zeros((2, 1, 2, D), np.float32)[:, :, :1]  # a batch's new rows are strided (one sequence's contiguous)
     for rows in (new, new[:1]):
         _put(k, v, rows, rows, np.zeros(len(rows), np.int64))
+
+
+def _rows_like(store, D: int) -> np.ndarray:
+    """Zeros (2, 1, 1, W) typed as the store's rows are read, for a head size D."""
+    width = {torch.int8: D // 32 * 34, torch.uint8: D // 32 * 18}.get(_element(store), D)
+    return np.zeros((2, 1, 1, width), torch.empty(0, dtype=_element(store)).numpy().dtype)
