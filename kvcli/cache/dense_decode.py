@@ -93,8 +93,53 @@ def chunk(rows, c0, c, buf):
 
 
 if numba is not None:
+    from llvmlite import ir
     from numba import types
-    from numba.extending import overload
+    from numba.core import cgutils
+    from numba.extending import intrinsic, overload
+
+    def _block_codegen(q4: bool):
+        """buf[bt, bcol : bcol + 32] = a block's 32 codes from rows[t, col:] as f32, times d (q8_0: 32 int8; q4_0: 16
+        bytes, their low nibbles then their high ones, less 8) as LLVM vectors: numba's own loop over a block stays
+        scalar at these strides."""
+
+        def codegen(context, builder, sig, args):
+            f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+            rows, buf = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 3))
+            t, col, bt, bcol, d = args[1], args[2], args[4], args[5], args[6]
+            rs, bs = cgutils.unpack_tuple(builder, rows.strides, 2), cgutils.unpack_tuple(builder, buf.strides, 2)
+            src = builder.add(builder.ptrtoint(rows.data, i64), builder.add(builder.mul(t, rs[0]), col))
+            dst = builder.add(builder.ptrtoint(buf.data, i64),
+                              builder.add(builder.mul(bt, bs[0]), builder.mul(bcol, ir.Constant(i64, 4))))
+            n = 16 if q4 else 32
+            codes = builder.load(builder.inttoptr(src, ir.VectorType(i8, n).as_pointer()), align=1)
+            splat = builder.insert_element(ir.Constant(ir.VectorType(f32, n), None), d, ir.Constant(i32, 0))
+            dv = builder.shuffle_vector(splat, splat, ir.Constant(ir.VectorType(i32, n), [0] * n))
+            vf = ir.VectorType(f32, n)
+            if q4:
+                wide = builder.zext(codes, ir.VectorType(i32, n))
+                eight = ir.Constant(ir.VectorType(i32, n), [8] * n)
+                low = builder.sub(builder.and_(wide, ir.Constant(ir.VectorType(i32, n), [15] * n)), eight)
+                high = builder.sub(builder.lshr(wide, ir.Constant(ir.VectorType(i32, n), [4] * n)), eight)
+                parts = [low, high]
+            else:
+                parts = [builder.sext(codes, ir.VectorType(i32, n))]
+            for j, part in enumerate(parts):
+                at = builder.inttoptr(builder.add(dst, ir.Constant(i64, 4 * n * j)), vf.as_pointer())
+                builder.store(builder.fmul(builder.sitofp(part, vf), dv), at, align=4)
+            return context.get_dummy_value()
+
+        return codegen
+
+    @intrinsic
+    def _widen_q8_0(typingctx, rows, t, col, buf, bt, bcol, d):
+        return types.none(rows, types.int64, types.int64, buf, types.int64, types.int64, types.float32), \
+            _block_codegen(q4=False)
+
+    @intrinsic
+    def _widen_q4_0(typingctx, rows, t, col, buf, bt, bcol, d):
+        return types.none(rows, types.int64, types.int64, buf, types.int64, types.int64, types.float32), \
+            _block_codegen(q4=True)
 
     @overload(chunk, inline="always")
     def _chunk(rows, c0, c, buf):
@@ -106,8 +151,7 @@ if numba is not None:
                         o = 34 * k
                         d = to_f32(np.uint16((np.uint16(rows[c0 + t, o]) & 255)
                                              | ((np.uint16(rows[c0 + t, o + 1]) & 255) << 8)))
-                        for j in range(32):
-                            buf[t, 32 * k + j] = np.float32(rows[c0 + t, o + 2 + j]) * d
+                        _widen_q8_0(rows, np.int64(c0 + t), np.int64(o + 2), buf, np.int64(t), np.int64(32 * k), d)
                 return buf
 
             return q8_0
@@ -118,10 +162,7 @@ if numba is not None:
                     for k in range(buf.shape[1] // 32):
                         o = 18 * k
                         d = to_f32(np.uint16(np.uint16(rows[c0 + t, o]) | (np.uint16(rows[c0 + t, o + 1]) << 8)))
-                        for j in range(16):
-                            u = rows[c0 + t, o + 2 + j]
-                            buf[t, 32 * k + j] = np.float32(np.int32(u & 15) - 8) * d
-                            buf[t, 32 * k + 16 + j] = np.float32(np.int32(u >> 4) - 8) * d
+                        _widen_q4_0(rows, np.int64(c0 + t), np.int64(o + 2), buf, np.int64(t), np.int64(32 * k), d)
                 return buf
 
             return q4_0
