@@ -1,6 +1,6 @@
 """Decode attention over dense (f32, f16, bf16) or ggml q8_0 / q4_0 K and V on the CPU in one compiled pass
-(numba): what attend_reference computes for one query token per sequence (`kvcli run`, the server's slots), in one call a
-layer instead of a dozen torch ops with their fixed costs and an f32 copy of the keys and values read.
+(numba): what attend_reference computes for one query token per sequence (`kvcli run`, the server's slots), in one
+call a layer instead of a dozen torch ops with their fixed costs and an f32 copy of the keys and values read.
 
 For each sequence b, KV head h and query head g of its group: scores q . k_t over positions t < lim[b], one
 softmax (online, over chunks of CHUNK positions: the scratch stays small at any depth), the values summed.
@@ -101,7 +101,7 @@ if numba is not None:
     def _block_codegen(q4: bool):
         """buf[bt, bcol : bcol + 32] = a block's 32 codes from rows[t, col:] as f32, times d (q8_0: 32 int8; q4_0: 16
         bytes, their low nibbles then their high ones, less 8) as LLVM vectors: numba's own loop over a block stays
-        scalar at these strides."""
+        scalar at these strides. A row's bytes are contiguous (a store's data is), so col counts bytes."""
 
         def codegen(context, builder, sig, args):
             f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
@@ -186,11 +186,11 @@ def _put(kdat, vdat, knew, vnew, pos):
 
 
 _BITS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat16: torch.int16}
-_BLOCKS = {"q8_0": torch.int8, "q4_0": torch.uint8}  # ggml block stores read here: their bytes typed as row_dot takes
+_BLOCKS = {"q8_0": torch.int8, "q4_0": torch.uint8}  # ggml block stores read here: their bytes typed as chunk takes
 
 
 def _element(store) -> torch.dtype | None:
-    """The type a store's rows are read as (row_dot), or None where this kernel reads none of it."""
+    """The type a store's rows are read as (chunk), or None where this kernel reads none of it."""
     if store.name in _BLOCKS and getattr(store, "data", None) is not None:
         return _BLOCKS[store.name]
     return _BITS.get(getattr(store, "dtype", None))
