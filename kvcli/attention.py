@@ -29,7 +29,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvcli.kernel_layout import DENSE_KINDS, Kind
+from kvcli.kernel_layout import DENSE_KINDS, GGML_KINDS, Kind
 from kvcli.memory import MIB
 
 # f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
@@ -134,7 +134,7 @@ _CPU_KERNELS: dict = {}  # (K store type, V store type, head size) -> the kernel
 
 def cpu_decode_kernel(cache):
     """The CPU decode kernel that reads this K/V pair (its module), or None: q4_hadamard keys and values
-    (kvcli/cache/hadamard_decode.py) or dense, q8_0 or q4_0 ones at a head size it takes (kvcli/cache/dense_decode.py),
+    (kvcli/cache/hadamard_decode.py) or dense or ggml block ones at a head size it takes (kvcli/cache/dense_decode.py),
     numba importable. Asked every layer at decode: decided once per pair of store types."""
     key = (type(cache.k), type(cache.v), cache.k.head_dim)
     if key not in _CPU_KERNELS:
@@ -149,7 +149,7 @@ def _pick_cpu_kernel(k_store, v_store):
     # imported here: the stores import this module, and numba loads only where a kernel may run
     if k.kind == Kind.HADAMARD_KEYS and v.kind == Kind.HADAMARD_VALUES:
         from kvcli.cache import hadamard_decode as kernel
-    elif k.kind in DENSE_KINDS + (Kind.Q8_0, Kind.Q4_0) and v.kind in DENSE_KINDS + (Kind.Q8_0, Kind.Q4_0):
+    elif k.kind in DENSE_KINDS + GGML_KINDS and v.kind in DENSE_KINDS + GGML_KINDS:
         from kvcli.cache import dense_decode as kernel
 
         if not (kernel.covers(k_store) and kernel.covers(v_store)):

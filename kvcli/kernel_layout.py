@@ -21,6 +21,7 @@ class Kind:
 
 
 DENSE_KINDS = (Kind.F32, Kind.F16, Kind.BF16)
+GGML_KINDS = (Kind.Q8_0, Kind.Q4_0, Kind.Q4_1, Kind.Q5_0, Kind.Q5_1, Kind.IQ4_NL)
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""The dense (f32, f16, bf16) and q8_0 / q4_0 CPU decode kernel (kvcli/cache/dense_decode.py): the reference's
+"""The dense (f32, f16, bf16) and ggml block (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) CPU decode kernel (kvcli/cache/dense_decode.py): the reference's
 attention for one query token per sequence, in one compiled call, over the stored elements where they lie."""
 
 from __future__ import annotations
@@ -28,14 +28,16 @@ def _fill(cache: KVCache, lens: list[int], g: torch.Generator) -> None:
 
 
 @pytest.mark.parametrize("types", [("f16", "f16"), ("f32", "f32"), ("bf16", "bf16"), ("f16", "f32"),
-                                   ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q4_0")])
+                                   ("q8_0", "q8_0"), ("q4_0", "q4_0"), ("q8_0", "f16"), ("f16", "q4_0"),
+                                   ("q4_1", "q5_0"), ("q5_1", "iq4_nl"), ("iq4_nl", "q4_1"), ("q5_0", "q5_1")])
 def test_rows_equal_the_reference(monkeypatch, types):
     """Rows at their own positions, one past several of the online softmax's chunks: the reference's result."""
     g = torch.Generator().manual_seed(0)
     lens = [1, 40, dense_decode.CHUNK + 3, 2 * dense_decode.CHUNK + 100]
     cache = _cache(len(lens), *types)
     assert not cache.window  # dense and ggml stores: no window
-    # the reference over q4_0 dequantized (its own decode path reads the bytes with q split in two int8 parts: ~1e-4)
+    # the reference over the blocks dequantized (its own decode path reads the bytes with q split in two int8 parts:
+    # ~1e-4)
     monkeypatch.setattr(GgmlBlockStore, "direct", lambda self, x: False)
     _fill(cache, lens, g)
     rows_match_reference(monkeypatch, dense_decode, cache, lens, 5, g)
@@ -53,7 +55,7 @@ def test_one_position_for_every_row():
                                    rtol=1e-5, atol=2e-5)
 
 
-@pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "q4_0")])
+@pytest.mark.parametrize("types", [("f16", "f16"), ("q8_0", "q4_0"), ("q5_1", "iq4_nl")])
 def test_a_row_gets_the_same_bits_alone_and_beside_others(types):
     """Each (sequence, head) is computed alone: the server's concurrent streams equal their solo runs."""
     g = torch.Generator().manual_seed(2)
@@ -71,7 +73,7 @@ def test_a_row_gets_the_same_bits_alone_and_beside_others(types):
 
 
 def test_what_the_kernel_declines_runs_the_reference(monkeypatch):
-    """-fa off, a window over dense stores, a head size its sums do not take, a block type it does not read: the
+    """-fa off, a window over dense stores, a head size its sums do not take, a pair of types it does not read: the
     reference."""
     g = torch.Generator().manual_seed(3)
     monkeypatch.setattr(dense_decode, "attend", lambda *a: pytest.fail("the kernel ran"))
@@ -83,8 +85,8 @@ def test_what_the_kernel_declines_runs_the_reference(monkeypatch):
     recent = windowed.store(1, torch.randn(1, 50, HKV, D, generator=g), torch.randn(1, 50, HKV, D, generator=g), 0)
     assert recent is not None and attend_cpu_decode(q, windowed, 1, 49, recent) is None
     assert cpu_decode_kernel(_cache(1, "f16", "f16", head_dim=24)) is None
-    assert cpu_decode_kernel(_cache(1, "q5_0", "q8_0")) is None
-    assert cpu_decode_kernel(_cache(1, "q8_0", "q4_1")) is None
+    assert cpu_decode_kernel(_cache(1, "q4_hadamard", "q8_0")) is None
+    assert cpu_decode_kernel(_cache(1, "q8_0", "tq4")) is None
 
 
 def test_several_threads_leave_deep_reads_to_the_reference(monkeypatch):
