@@ -19,7 +19,6 @@ import numpy as np
 import torch
 
 from kvcli.cache.cpu_jit import LANES, available, exp_f32, from_f32, jit, jit_reassociating, numba, prefetch, to_f32
-from kvcli.cache.ggml_blocks import GGML_BLOCKS, KVALUES_IQ4NL
 from kvcli.kernel_layout import Kind
 
 CHUNK = 256  # positions scored at a time (the online softmax's step)
@@ -31,9 +30,9 @@ _Q4_0, _Q5_0, _IQ4_NL = Kind.Q4_0, Kind.Q5_0, Kind.IQ4_NL  # chunk's kinds, as g
 
 
 @jit_reassociating
-def _attend(qm, scale, kdat, vdat, kfmt, vfmt, lim, out):
+def _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, lim, out):
     """qm (B, H, G, D) f32, the query, scores scaled by `scale`; kdat, vdat (B, H, n_ctx, W): a position's head vector
-    as its store keeps it (chunk's types); kfmt, vfmt: their block layouts (_layout); lim (B,) int64: positions
+    as its store keeps it (chunk's types); kfmt, ktab, vfmt, vtab: their block layouts (_layout); lim (B,) int64: positions
     0..lim[b]-1 are read -> out (B, H, G, D) f32."""
     B, H, G, D = qm.shape
     KW, VW = kdat.shape[3], vdat.shape[3]
@@ -54,7 +53,7 @@ def _attend(qm, scale, kdat, vdat, kfmt, vfmt, lim, out):
             kn = kdat[b, h + 1] if h + 1 < H else kdat[b + 1, 0] if b + 1 < B else kb
             for c0 in range(0, n, CHUNK):
                 c = min(CHUNK, n - c0)
-                kc = chunk(kb, c0, c, kbuf, kfmt)
+                kc = chunk(kb, c0, c, kbuf, kfmt, ktab)
                 # each row widened where it is used, G times (cheaper than an f32 copy of the chunk stored and reread)
                 for t in range(c):
                     prefetch(vb, (c0 + t) * VW)
@@ -76,7 +75,7 @@ def _attend(qm, scale, kdat, vdat, kfmt, vfmt, lim, out):
                     for e in range(D):
                         acc[g, e] *= r
                     mx[g] = m
-                vc = chunk(vb, c0, c, vbuf, vfmt)
+                vc = chunk(vb, c0, c, vbuf, vfmt, vtab)
                 for t in range(c):
                     prefetch(kn, (c0 + t) * KW)
                     for g in range(G):
@@ -89,7 +88,7 @@ def _attend(qm, scale, kdat, vdat, kfmt, vfmt, lim, out):
                     out[b, h, g, e] = acc[g, e] * inv
 
 
-def chunk(rows, c0, c, buf, fmt):
+def chunk(rows, c0, c, buf, fmt, tab):
     """Positions c0..c0+c-1 of rows (n_ctx, W) as the loops above read them: a dense store's as they lie (f32, f16 bits
     as uint16, bf16 bits as int16: widened where used), a ggml block store's dequantized into buf (CHUNK, D) f32, once
     for the G query heads that read them (widening their codes where used, G times over, ran 3-5x f16's time).
@@ -97,7 +96,7 @@ def chunk(rows, c0, c, buf, fmt):
     where a block's fields lie: f16 d, f16 m (q4_1, q5_1), 4 bytes of fifth bits (q5_0, q5_1: bit j of the little-
     endian uint32 is element j's), 16 bytes of nibbles (element j of the block in byte j's low nibble, j + 16 in its
     high one). A code u (0..15, 0..31 with its fifth bit) is d (u - 8) (q4_0), d (u - 16) (q5_0), d u + m (q4_1,
-    q5_1), d KVALUES_IQ4NL[u] (iq4_nl), as torch's dequantize makes them (d u + m: one rounding, an fma)."""
+    q5_1), d tab[u] (iq4_nl: tab its int8 codebook), as torch's dequantize makes them (d u + m: one rounding, an fma)."""
     raise NotImplementedError  # compiled only (the overload below)
 
 
@@ -140,7 +139,8 @@ if numba is not None:
                 vb = ir.VectorType(i8, n)
                 shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vb, [vb, vb]),
                                                          "llvm.x86.ssse3.pshuf.b.128")
-                table = ir.Constant(vb, [v & 255 for v in KVALUES_IQ4NL])
+                table = builder.load(builder.bitcast(context.make_array(sig.args[7])(context, builder, args[7]).data,
+                                                     vb.as_pointer()), align=1)
                 low = builder.and_(codes, ir.Constant(vb, [15] * n))
                 high = builder.lshr(codes, ir.Constant(vb, [4] * n))
                 parts = [builder.fmul(builder.sitofp(builder.sext(builder.call(shuffle, [table, h]), vi), vf), dv)
@@ -170,8 +170,8 @@ if numba is not None:
             _block_codegen("q8_0")
 
     @intrinsic
-    def _widen_iq4_nl(typingctx, rows, t, col, buf, bt, bcol, d):
-        return types.none(rows, types.int64, types.int64, buf, types.int64, types.int64, types.float32), \
+    def _widen_iq4_nl(typingctx, rows, t, col, buf, bt, bcol, d, tab):
+        return types.none(rows, types.int64, types.int64, buf, types.int64, types.int64, types.float32, tab), \
             _block_codegen("iq4_nl")
 
     @intrinsic
@@ -180,10 +180,10 @@ if numba is not None:
                           types.float32, types.int64, types.int64), _block_codegen("nibbles")
 
     @overload(chunk, inline="always")
-    def _chunk(rows, c0, c, buf, fmt):
+    def _chunk(rows, c0, c, buf, fmt, tab):
         if rows.dtype == types.int8:  # q8_0
 
-            def q8_0(rows, c0, c, buf, fmt):
+            def q8_0(rows, c0, c, buf, fmt, tab):
                 for t in range(c):
                     for k in range(buf.shape[1] // 32):
                         o = 34 * k
@@ -195,7 +195,7 @@ if numba is not None:
             return q8_0
         if rows.dtype == types.uint8:  # the 4- and 5-bit types
 
-            def nibbles(rows, c0, c, buf, fmt):
+            def nibbles(rows, c0, c, buf, fmt, tab):
                 kind, size, m_at, qh_at, qs_at = fmt[0], fmt[1], fmt[2], fmt[3], fmt[4]
                 bias = 8 * np.int64(kind == _Q4_0) + 16 * np.int64(kind == _Q5_0)  # u - bias: q4_0, q5_0
                 for t in range(c):
@@ -211,7 +211,7 @@ if numba is not None:
                               | (np.int64(r[b + 3]) << 24)) * (qh_at != 0)
                         if kind == _IQ4_NL:
                             _widen_iq4_nl(rows, np.int64(c0 + t), np.int64(o + qs_at), buf, np.int64(t),
-                                          np.int64(32 * k), d)
+                                          np.int64(32 * k), d, tab)
                         else:
                             _widen_nibbles(rows, np.int64(c0 + t), np.int64(o + qs_at), buf, np.int64(t),
                                            np.int64(32 * k), d, m, np.int64(bias), qh)
@@ -219,7 +219,7 @@ if numba is not None:
 
             return nibbles
 
-        def dense(rows, c0, c, buf, fmt):
+        def dense(rows, c0, c, buf, fmt, tab):
             return rows[c0:]
 
         return dense
@@ -243,7 +243,7 @@ _BITS = {torch.float32: torch.float32, torch.float16: torch.uint16, torch.bfloat
 _BLOCKS = {"q8_0": torch.int8, "q4_0": torch.uint8, "q4_1": torch.uint8, "q5_0": torch.uint8, "q5_1": torch.uint8}
 if platform.machine().lower() in ("x86_64", "amd64"):
     _BLOCKS["iq4_nl"] = torch.uint8
-_NO_BLOCKS = np.zeros(5, np.int64)  # a dense store's layout argument (unread)
+_NO_BLOCKS = np.zeros(5, np.int64), np.zeros(16, np.int8)  # a dense store's layout arguments (unread)
 
 
 def _element(store) -> torch.dtype | None:
@@ -253,13 +253,16 @@ def _element(store) -> torch.dtype | None:
     return _BITS.get(getattr(store, "dtype", None))
 
 
-def _layout(store) -> np.ndarray:
-    """chunk's fmt: (kind, block bytes, m's offset, qh's offset, the nibbles' offset) int64; 0: the block has no
-    such field (d lies at 0)."""
+def _layout(store) -> tuple[np.ndarray, np.ndarray]:
+    """chunk's fmt: (kind, block bytes, m's offset, qh's offset, the nibbles' offset) int64, 0 where the block has no
+    such field (d lies at 0); and tab: the type's codebook (iq4_nl's, 16 int8; zeros where none)."""
     layout = store.kernel_layout() if store.name in _BLOCKS else None
     if layout is None:
         return _NO_BLOCKS
-    return np.array([layout.kind, layout.block_bytes, layout.m_offset, layout.qh_offset, layout.qs_offset], np.int64)
+    table = np.zeros(16, np.int8)
+    table[:len(layout.table)] = layout.table
+    return (np.array([layout.kind, layout.block_bytes, layout.m_offset, layout.qh_offset, layout.qs_offset], np.int64),
+            table)
 
 
 def covers(store) -> bool:
@@ -272,7 +275,7 @@ def attend(qm: torch.Tensor, cache, layer: int, lim: np.ndarray) -> torch.Tensor
     positions 0..lim-1 -> the attention output (B, Hkv, G, D) f32."""
     out = np.empty(qm.shape, np.float32)
     _attend(qm.contiguous().numpy(), np.float32(1 / math.sqrt(qm.shape[-1])), _bits(cache.k, layer),
-            _bits(cache.v, layer), _layout(cache.k), _layout(cache.v), lim, out)
+            _bits(cache.v, layer), *_layout(cache.k), *_layout(cache.v), lim, out)
     return torch.from_numpy(out)
 
 
@@ -321,7 +324,7 @@ def warm_up(cache) -> None:
     D = 32  # a head size every type takes: a row's bytes as its store keeps them
     k, v = (_rows_like(store, D) for store in (cache.k, cache.v))
     z = np.zeros((2, 1, 1, D), np.float32)
-    _attend(z, np.float32(1), k, v, _layout(cache.k), _layout(cache.v), np.ones(2, np.int64), np.empty_like(z))
+    _attend(z, np.float32(1), k, v, *_layout(cache.k), *_layout(cache.v), np.ones(2, np.int64), np.empty_like(z))
     if cache.k.name in _BLOCKS or cache.v.name in _BLOCKS:
         return  # the block stores write their own way (put is dense's)
     new = np.zeros((2, 1, 2, D), np.float32)[:, :, :1]  # a batch's new rows are strided (one sequence's contiguous)
@@ -331,5 +334,5 @@ def warm_up(cache) -> None:
 
 def _rows_like(store, D: int) -> np.ndarray:
     """Zeros (2, 1, 1, W) typed as the store's rows are read, for a head size D."""
-    width = D // 32 * GGML_BLOCKS[store.name][1] if store.name in _BLOCKS else D
+    width = D // 32 * store.block_bytes if store.name in _BLOCKS else D
     return np.zeros((2, 1, 1, width), torch.empty(0, dtype=_element(store)).numpy().dtype)
