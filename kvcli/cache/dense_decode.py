@@ -244,6 +244,7 @@ _BLOCKS = {"q8_0": torch.int8, "q4_0": torch.uint8, "q4_1": torch.uint8, "q5_0":
 if platform.machine().lower() in ("x86_64", "amd64"):
     _BLOCKS["iq4_nl"] = torch.uint8
 _NO_BLOCKS = np.zeros(5, np.int64), np.zeros(16, np.int8)  # a dense store's layout arguments (unread)
+_LAYOUTS: dict[type, tuple[np.ndarray, np.ndarray]] = {}  # _layout's, per block store class
 
 
 def _element(store) -> torch.dtype | None:
@@ -256,13 +257,14 @@ def _element(store) -> torch.dtype | None:
 def _layout(store) -> tuple[np.ndarray, np.ndarray]:
     """chunk's fmt: (kind, block bytes, m's offset, qh's offset, the nibbles' offset) int64, 0 where the block has no
     such field (d lies at 0); and tab: the type's codebook (iq4_nl's, 16 int8; zeros where none)."""
-    layout = store.kernel_layout() if store.name in _BLOCKS else None
-    if layout is None:
+    if store.name not in _BLOCKS:
         return _NO_BLOCKS
-    table = np.zeros(16, np.int8)
-    table[:len(layout.table)] = layout.table
-    return (np.array([layout.kind, layout.block_bytes, layout.m_offset, layout.qh_offset, layout.qs_offset], np.int64),
-            table)
+    if type(store) not in _LAYOUTS:  # asked every layer at decode; a block type's layout is its class's
+        layout, table = store.kernel_layout(), np.zeros(16, np.int8)
+        table[:len(layout.table)] = layout.table
+        _LAYOUTS[type(store)] = (np.array([layout.kind, layout.block_bytes, layout.m_offset, layout.qh_offset,
+                                           layout.qs_offset], np.int64), table)
+    return _LAYOUTS[type(store)]
 
 
 def covers(store) -> bool:
