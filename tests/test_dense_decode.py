@@ -1,5 +1,6 @@
-"""The dense (f32, f16, bf16) and ggml block (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) CPU decode kernel (kvcli/cache/dense_decode.py): the reference's
-attention for one query token per sequence, in one compiled call, over the stored elements where they lie."""
+"""The dense (f32, f16, bf16) and ggml block (q8_0, q4_0, q4_1, q5_0, q5_1, iq4_nl) CPU decode kernel
+(kvcli/cache/dense_decode.py): the reference's attention for one query token per sequence, in one compiled call, over
+the stored elements where they lie."""
 
 from __future__ import annotations
 

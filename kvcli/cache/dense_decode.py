@@ -32,8 +32,8 @@ _Q4_0, _Q5_0, _IQ4_NL = Kind.Q4_0, Kind.Q5_0, Kind.IQ4_NL  # chunk's kinds, as g
 @jit_reassociating
 def _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, lim, out):
     """qm (B, H, G, D) f32, the query, scores scaled by `scale`; kdat, vdat (B, H, n_ctx, W): a position's head vector
-    as its store keeps it (chunk's types); kfmt, ktab, vfmt, vtab: their block layouts (_layout); lim (B,) int64: positions
-    0..lim[b]-1 are read -> out (B, H, G, D) f32."""
+    as its store keeps it (chunk's types); kfmt, ktab, vfmt, vtab: their block layouts (_layout); lim (B,) int64:
+    positions 0..lim[b]-1 are read -> out (B, H, G, D) f32."""
     B, H, G, D = qm.shape
     KW, VW = kdat.shape[3], vdat.shape[3]
     s = np.empty((G, CHUNK), np.float32)
@@ -96,7 +96,8 @@ def chunk(rows, c0, c, buf, fmt, tab):
     where a block's fields lie: f16 d, f16 m (q4_1, q5_1), 4 bytes of fifth bits (q5_0, q5_1: bit j of the little-
     endian uint32 is element j's), 16 bytes of nibbles (element j of the block in byte j's low nibble, j + 16 in its
     high one). A code u (0..15, 0..31 with its fifth bit) is d (u - 8) (q4_0), d (u - 16) (q5_0), d u + m (q4_1,
-    q5_1), d tab[u] (iq4_nl: tab its int8 codebook), as torch's dequantize makes them (d u + m: one rounding, an fma)."""
+    q5_1), d tab[u] (iq4_nl: tab its int8 codebook), as torch's dequantize makes them (d u + m: one rounding, an
+    fma)."""
     raise NotImplementedError  # compiled only (the overload below)
 
 
