@@ -142,10 +142,15 @@ def test_kv_cache_describe_counts_all_bytes():
     assert "K (q4_hadamard)" in cache.describe() and "V (q8_0)" in cache.describe()
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("tile", [32, 64])
 @pytest.mark.parametrize("keys", [True, False])
-def test_tile_layout_bytes(keys, tile):
-    """The documented byte of a code: keys (n_pad / T, D, T / 2), values (D / W, n_pad, W / 2)."""
+def test_tile_layout_bytes(monkeypatch, keys, tile, compiled):
+    """The documented byte of a code: keys (n_pad / T, D, T / 2), values (D / W, n_pad, W / 2), written by the
+    compiled pass (hadamard_quantize.put) and by torch's ops (elsewhere than the CPU)."""
+    if compiled and not hadamard_quantize.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(HadamardQ4Store, "_compiled_puts", lambda self: compiled)
     D, n = 128, 100
     store = resolve_type("q4_hadamard")(1, 1, 1, n, D, keys=keys, tile=tile)
     u = torch.randint(0, 16, (1, n, 1, D), dtype=torch.uint8, generator=torch.Generator().manual_seed(tile))
@@ -163,11 +168,15 @@ def test_tile_layout_bytes(keys, tile):
     assert torch.equal(store.codes(0, 0, n)[0, 0], u[0, :, 0])
 
 
+@pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("window", [0, 16])
-def test_rows_store_a_step_as_each_alone(monkeypatch, window):
+def test_rows_store_a_step_as_each_alone(monkeypatch, window, compiled):
     """The server's slots: a step's decode tokens at their own positions (one pass where every row writes one
-    token past the sinks, row by row otherwise: young rows, a window's flushes) leave the bytes each row's own
-    writes leave."""
+    token past the sinks, and for the window's flushes that fall in one step where the compiled writes run;
+    row by row otherwise: young rows) leave the bytes each row's own writes leave."""
+    if compiled and not hadamard_quantize.available():
+        pytest.skip("numba is not installed")
+    monkeypatch.setattr(HadamardQ4Store, "_compiled_puts", lambda self: compiled)
     H, D, lens = 3, 64, [2, 40, 57, 100]  # row 0 still in its sinks for the first steps
     caches = [KVCache(2, 4, H, 300, D, "q4_hadamard", "q4_hadamard", window=window) for _ in range(2)]
     for c in caches:

@@ -129,6 +129,12 @@ class Store:
         self.store(layer, x, pos)
         other.store(layer, y, pos)
 
+    def store_spans(self, other: "Store", layer: int, spans: list[tuple]) -> bool:
+        """Window flushes of several sequences at once: spans (b, x, y, w0), x here and y in `other` (K and V, one
+        type), each (1, m, Hkv, D) f32, sequence b's positions w0..w0+m-1. True where written in one pass; False
+        where this type cannot (the cache then writes them a sequence at a time)."""
+        return False
+
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         """Positions start..end-1 of this layer as f32 (B, Hkv, end - start, D)."""
         raise NotImplementedError
@@ -249,7 +255,8 @@ class KVCache:
                 and self.k.per_row_positions and self.v.per_row_positions):  # a token a row: one write for all
             kv = torch.cat([wr for _, wr, _ in writes])  # (B, 1, 2 Hkv, D), rows in order
             self._write(layer, kv[:, :, :Hkv], kv[:, :, Hkv:], torch.tensor([w0 for _, _, w0 in writes]))
-        else:
+        elif writes and not (type(self.k) is type(self.v) and self.k.store_spans(
+                self.v, layer, [(b, wr[:, :, :Hkv], wr[:, :, Hkv:], w0) for b, wr, w0 in writes])):
             for b, write, w0 in writes:
                 self._write_row(b, layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
         return Recent(None, None, w.low, self.window, w.masked, w.lim, w.high, kv16=w.ring)

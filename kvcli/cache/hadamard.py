@@ -27,6 +27,7 @@ from __future__ import annotations
 import math
 from typing import ClassVar
 
+import numpy as np
 import torch
 
 from kvcli.attention import use_triton
@@ -141,6 +142,10 @@ class RotatedStore(Store):
         """Has this layer's offset been set for these sequences (or does this store use none)?"""
         return not self.centred or all(self.offset_set[layer][self.row0 : self.row0 + self.batch])
 
+    def row_ready(self, layer: int, b: int) -> bool:
+        """`ready` for sequence b of these alone."""
+        return not self.centred or self.offset_set[layer][self.row0 + b]
+
     def _sinks(self, layer: int, start: int, end: int) -> torch.Tensor:
         """The f16 sinks among positions start..end-1 as f32 (B, H, m, D); m may be 0."""
         return self.sink[layer, :, :, start : max(start, min(end, self.n_sink))].float()
@@ -219,6 +224,34 @@ class HadamardQ4Store(RotatedStore):
         self.put(layer, u[:B], d[:B], pos)
         other.put(layer, u[B:], d[B:], pos)
 
+    def store_spans(self, other: "HadamardQ4Store", layer: int, spans: list[tuple]) -> bool:
+        """Store.store_spans on the CPU: every span rotated, offset, quantized and written in one pass each, where
+        all are past the sinks with their offsets set (the server's steady state; `prepare` does the rest). A span's
+        bytes are those its own store_pair writes: the same rotation, offset and block-by-block search."""
+        if not (self._compiled_puts() and all(w0 >= self.n_sink and self.row_ready(layer, b)
+                                              and other.row_ready(layer, b) for b, _, _, w0 in spans)):
+            return False
+        rows = np.concatenate([np.full(x.shape[1], b, np.int64) for b, x, _, _ in spans])
+        pos = np.concatenate([np.arange(w0, w0 + x.shape[1], dtype=np.int64) for _, x, _, w0 in spans])
+        at = torch.from_numpy(rows)
+        ys = [s.to_storage(torch.cat([part[0] for part in parts]).float()) - s.offset[layer, at, 0]
+              for s, parts in ((self, [x for _, x, _, _ in spans]), (other, [y for _, _, y, _ in spans]))]
+        u, d = self.quantize(torch.cat(ys)[None])  # (1, 2 M, H, D): keys, then values
+        M = rows.shape[0]
+        self._put_vectors(layer, u[0, :M], d[0, :M], rows, pos)
+        other._put_vectors(layer, u[0, M:], d[0, M:], rows, pos)
+        return True
+
+    def _compiled_puts(self) -> bool:
+        return self.data.device.type == "cpu" and hadamard_quantize.available()
+
+    def _put_vectors(self, layer: int, u: torch.Tensor, d: torch.Tensor, rows: np.ndarray, pos: np.ndarray) -> None:
+        """Codes u (M, H, D) and scales d (M, H, D / 32), vector m to sequence rows[m] at position pos[m], through
+        the compiled pass over this layer's bytes."""
+        data, scale = self.kernel_arrays("q4_hadamard_put", layer, lambda: (self.data[layer], self.scale[layer]),
+                                         lambda t: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy())
+        hadamard_quantize.put(data, scale, u, d, rows, pos, self.keys)
+
     @staticmethod
     def store_rows(stores: tuple, layer: int, xs: tuple, pos: torch.Tensor) -> None:
         """xs[i] (B, 1, H, D) into stores[i] (K, or K and V), sequence b's token at position pos[b]: quantized in one
@@ -240,6 +273,8 @@ class HadamardQ4Store(RotatedStore):
 
     def put_rows(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: torch.Tensor) -> None:
         """Codes u (B, H, D) and scales d (B, H, D / 32) of sequence b's token at position pos[b]."""
+        if self._compiled_puts():
+            return self._put_vectors(layer, u, d, np.arange(u.shape[0], dtype=np.int64), pos.numpy())
         seqs = self.sequences(u.shape[0])
         self.scale[layer, seqs, :, :, pos] = d.to(self.scale.dtype)
         tw = self.tile
@@ -255,6 +290,10 @@ class HadamardQ4Store(RotatedStore):
     def put(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: int) -> None:
         """Codes u (B, T, H, D) and scales d (B, T, H, D / 32) into positions pos..pos+T-1."""
         B, T, H, D = u.shape
+        if self._compiled_puts():
+            rows = np.repeat(np.arange(B, dtype=np.int64), T)
+            at = np.tile(np.arange(pos, pos + T, dtype=np.int64), B)
+            return self._put_vectors(layer, u.reshape(B * T, H, D), d.reshape(B * T, H, D // 32), rows, at)
         self.scale[layer, :, :, :, pos : pos + T] = d.permute(0, 2, 3, 1)
         tw = self.tile
         if self.keys and T == 1:  # decode: one nibble of D bytes, positions pos and pos +- T / 2 share them

@@ -8,6 +8,10 @@ candidates, the same IEEE division and round-half-even, the refit's sums in elem
 its own way), so a block's codes can differ from torch's only where an f32 sum rounds across a bf16
 boundary or two candidates' errors tie (tests/test_hadamard.py). A block's bits do not depend on what
 else is in the call.
+
+`put` writes the codes and scales into the store's layout (kvcli/cache/hadamard.py) position by position: a
+window flush is a few positions of each sequence, each at its own place, where the torch path unpacked,
+edited and repacked whole key tiles (~60 us a flush and layer, a few us here).
 """
 
 from __future__ import annotations
@@ -15,9 +19,9 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import RNE, available, bf16_from_f32, exact_jit, to_f32
+from kvcli.cache.cpu_jit import RNE, available, bf16_from_f32, exact_jit, jit, to_f32
 
-__all__ = ["available", "quantize"]
+__all__ = ["available", "put", "quantize"]
 
 BLOCK = 32
 
@@ -82,3 +86,39 @@ def quantize(y: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, torch.Ten
     _search(x, grid, u, d, np.empty((BLOCK, N), np.float32), *(np.empty(N, np.float32) for _ in range(7)),
             np.empty(N, np.int64))
     return torch.from_numpy(u).view(B, T, H, D), torch.from_numpy(d).view(B, T, H, D // BLOCK)
+
+
+@jit
+def _put(data, scale, u, d, rows, pos, keys):
+    """Entry m's codes u[m] (H, D) uint8 and scales d[m] (H, D / 32) f32 (bf16 values) -> sequence rows[m] at position
+    pos[m] of a layer's data, keys (B, H, n_pad / T, D, T / 2) or values (B, H, D / W, n_pad, W / 2), uint8, and
+    scale (B, H, D / 32, n_pad), bf16 bits (int16); keys: which layout data is."""
+    M, H, D = u.shape
+    for m in range(M):
+        b, p = rows[m], pos[m]
+        for h in range(H):
+            for k in range(D // 32):
+                scale[b, h, k, p] = np.int16(bf16_from_f32(d[m, h, k]))
+            if keys:  # byte (p // T, e, p % (T / 2)): its high nibble for the tile's second half
+                T2 = data.shape[4]
+                i, j = p // (2 * T2), p % T2
+                col = data[b, h, i]
+                if p % (2 * T2) >= T2:
+                    for e in range(D):
+                        col[e, j] = (col[e, j] & np.uint8(0x0F)) | (u[m, h, e] << np.uint8(4))
+                else:
+                    for e in range(D):
+                        col[e, j] = (col[e, j] & np.uint8(0xF0)) | u[m, h, e]
+            else:  # bytes (i, p, j): elements W i + j (low nibble) and W i + W / 2 + j (high)
+                W2 = data.shape[4]
+                for i in range(data.shape[2]):
+                    for j in range(W2):
+                        e = 2 * W2 * i + j
+                        data[b, h, i, p, j] = u[m, h, e] | (u[m, h, e + W2] << np.uint8(4))
+
+
+def put(data: np.ndarray, scale: np.ndarray, u: torch.Tensor, d: torch.Tensor, rows: np.ndarray, pos: np.ndarray,
+        keys: bool) -> None:
+    """u (M, H, D) uint8 codes, d (M, H, D / 32) f32 scales of M vectors, vector m to sequence rows[m] at position
+    pos[m] (int64 arrays) of a layer's data and scale arrays (the store's own bytes: numpy views)."""
+    _put(data, scale, u.contiguous().numpy(), d.float().contiguous().numpy(), rows, pos, keys)
