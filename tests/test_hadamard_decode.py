@@ -58,6 +58,23 @@ def test_one_position_for_every_row(monkeypatch, window):
                                    attend_reference(q, cache, 0, pos, recent=recent), rtol=1e-5, atol=2e-5)
 
 
+@pytest.mark.parametrize("groups, dim, tile", [(1, 64, 64), (2, 32, 64), (4, 128, 32), (5, 64, 32), (8, 128, 64)])
+def test_head_shapes(monkeypatch, groups, dim, tile):
+    """Query heads per KV head taken 1-4 at a time (a group of 5 is 4 and 1), a head size of one to four blocks,
+    value tiles narrower than a head (W = 32) and as wide: the reference's result."""
+    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**9, False: 10**9})
+    g = torch.Generator().manual_seed(groups)
+    cache = KVCache(1, 2, 2, 300, dim, "q4_hadamard", "q4_hadamard", window=16)
+    cache.k = HadamardQ4Store(1, 2, 2, 300, dim, keys=True, tile=tile)
+    cache.v = HadamardQ4Store(1, 2, 2, 300, dim, tile=tile)
+    cache.store(0, torch.randn(2, 200, 2, dim, generator=g) + 0.5, torch.randn(2, 200, 2, dim, generator=g), 0)
+    for pos in range(200, 204):
+        q = torch.randn(2, 1, 2 * groups, dim, generator=g)
+        recent = cache.store(0, torch.randn(2, 1, 2, dim, generator=g), torch.randn(2, 1, 2, dim, generator=g), pos)
+        torch.testing.assert_close(attend_cpu_decode(q, cache, 0, pos, recent),
+                                   attend_reference(q, cache, 0, pos, recent=recent), rtol=1e-5, atol=2e-5)
+
+
 def test_a_row_gets_the_same_bits_alone_and_beside_others():
     """Each (sequence, head) is computed alone: the server's concurrent streams equal their solo runs."""
     g = torch.Generator().manual_seed(2)

@@ -26,12 +26,148 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import LANES, available, dot, exp_f32, hadamard16, jit, lane_sum, numba, to_f32
+from kvcli.cache.cpu_jit import LANES, available, dot, exp_f32, hadamard16, jit, jit_reassociating, lane_sum, numba, to_f32
 
 # The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
 # cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
 MAX_POSITIONS = 1024
 EIGHT = np.float32(8)  # the codes' bias; f32 so that numba keeps the sums in f32
+
+
+CHUNK = 16  # code bytes a vector step reads: 16 positions (keys) or 32 elements (values), two nibbles a byte
+
+
+def _key_sums(kt, e0, c, q, g0, part):
+    """Compiled only (_key_sums1.._key_sums4, a group of 1-4 query heads g0..): part[g0 + g, CHUNK c + l] = sum over the
+    block's 32 dimensions e0 + e of q[g0 + g, e0 + e] times the low nibble of kt[e0 + e, CHUNK c + l], and the high
+    nibble's sum at part[g0 + g, T / 2 + CHUNK c + l]: one block's products for 2 CHUNK positions of a key tile kt
+    (D, T / 2), their codes widened once for the group (the sums held in vector registers, not memory)."""
+    raise NotImplementedError
+
+
+def _value_sums(vt, t0, t1, c, pw, g0, klo, khi, acc, col):
+    """Compiled only (_value_sums1.._value_sums4): acc[g0 + g, col + CHUNK c + l] += sum over positions t0 <= t < t1
+    of pw[g0 + g, klo, t] times the low nibble of vt[t, CHUNK c + l], and acc[g0 + g, col + W / 2 + CHUNK c + l] the
+    high nibbles' with pw[g0 + g, khi, t]: a value tile vt (n_pad, W / 2) summed by weights pw (G, D / 32, n)."""
+    raise NotImplementedError
+
+
+if numba is not None:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic
+
+    _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    _BYTES, _INTS, _FLOATS = (ir.VectorType(t, CHUNK) for t in (_I8, _I32, _F32))
+
+    def _at(builder, arr, *index):
+        """The address (i64) of arr[index...] (an array's leading indices: what follows is contiguous)."""
+        addr = builder.ptrtoint(arr.data, _I64)
+        for i, stride in zip(index, cgutils.unpack_tuple(builder, arr.strides)):
+            addr = builder.add(addr, builder.mul(i, stride))
+        return addr
+
+    def _load(builder, addr, ty):
+        return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=1)
+
+    def _store(builder, value, addr):
+        builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
+
+    def _splat(builder, x):
+        v = builder.insert_element(ir.Constant(_FLOATS, None), x, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(_INTS, [0] * CHUNK))
+
+    def _nibbles(builder, addr):
+        """CHUNK code bytes at addr -> their low and high nibbles as f32 vectors."""
+        wide = builder.zext(_load(builder, addr, _BYTES), _INTS)
+        return [builder.sitofp(builder.and_(wide, ir.Constant(_INTS, [15] * CHUNK)), _FLOATS),
+                builder.sitofp(builder.lshr(wide, ir.Constant(_INTS, [4] * CHUNK)), _FLOATS)]
+
+    def _sums_loop(builder, count, groups, step):
+        """Vector accumulators (groups of low/high pairs) kept in registers over a loop of `count` steps: step(i, sums)
+        -> the new sums. Returns the final sums."""
+        zero = ir.Constant(_FLOATS, [0.0] * CHUNK)
+        slots = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * groups)]  # promoted to registers
+        with cgutils.for_range(builder, count) as loop:
+            new = step(loop.index, [builder.load(a) for a in slots])
+            for a, v in zip(slots, new):
+                builder.store(v, a)
+        return [builder.load(a) for a in slots]
+
+    def _fma(builder):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS] * 3),
+                                              f"llvm.fma.v{CHUNK}f32")
+
+    def _key_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            kt, q, part = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 3, 5))
+            e0, c, g0 = args[1], args[2], args[4]
+            col = builder.mul(c, ir.Constant(_I64, CHUNK))
+            fma = _fma(builder)
+
+            def step(i, sums):
+                e = builder.add(e0, i)
+                lo, hi = _nibbles(builder, _at(builder, kt, e, col))
+                out = []
+                for g in range(ng):
+                    qe = _splat(builder, _load(builder, _at(builder, q, builder.add(g0, ir.Constant(_I64, g)), e), _F32))
+                    out += [builder.call(fma, [qe, lo, sums[2 * g]]), builder.call(fma, [qe, hi, sums[2 * g + 1]])]
+                return out
+
+            sums = _sums_loop(builder, ir.Constant(_I64, 32), ng, step)
+            half = cgutils.unpack_tuple(builder, kt.shape)[1]
+            for g in range(ng):
+                row = builder.add(g0, ir.Constant(_I64, g))
+                _store(builder, sums[2 * g], _at(builder, part, row, col))
+                _store(builder, sums[2 * g + 1], _at(builder, part, row, builder.add(half, col)))
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _value_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            vt, pw, acc = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 4, 8))
+            t0, t1, c, g0, klo, khi, col = (args[j] for j in (1, 2, 3, 5, 6, 7, 9))
+            byte = builder.mul(c, ir.Constant(_I64, CHUNK))
+            fma = _fma(builder)
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+
+            def step(i, sums):
+                t = builder.add(t0, i)
+                lo, hi = _nibbles(builder, _at(builder, vt, t, byte))
+                out = []
+                for g in range(ng):
+                    wl = _splat(builder, _load(builder, _at(builder, pw, rows[g], klo, t), _F32))
+                    wh = _splat(builder, _load(builder, _at(builder, pw, rows[g], khi, t), _F32))
+                    out += [builder.call(fma, [wl, lo, sums[2 * g]]), builder.call(fma, [wh, hi, sums[2 * g + 1]])]
+                return out
+
+            sums = _sums_loop(builder, builder.sub(t1, t0), ng, step)
+            half = cgutils.unpack_tuple(builder, vt.shape)[1]
+            for g in range(ng):
+                for j, at in enumerate((builder.add(col, byte), builder.add(builder.add(col, half), byte))):
+                    addr = _at(builder, acc, rows[g], at)
+                    _store(builder, builder.fadd(_load(builder, addr, _FLOATS), sums[2 * g + j]), addr)
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _key_intrinsic(ng: int):
+        def typer(typingctx, kt, e0, c, q, g0, part):
+            return types.none(kt, types.int64, types.int64, q, types.int64, part), _key_codegen(ng)
+
+        return intrinsic(typer)
+
+    def _value_intrinsic(ng: int):
+        def typer(typingctx, vt, t0, t1, c, pw, g0, klo, khi, acc, col):
+            return (types.none(vt, types.int64, types.int64, types.int64, pw, types.int64, types.int64, types.int64,
+                               acc, types.int64), _value_codegen(ng))
+
+        return intrinsic(typer)
+
+    _key_sums1, _key_sums2, _key_sums3, _key_sums4 = (_key_intrinsic(g) for g in (1, 2, 3, 4))
+    _value_sums1, _value_sums2, _value_sums3, _value_sums4 = (_value_intrinsic(g) for g in (1, 2, 3, 4))
 
 
 @jit
@@ -50,7 +186,7 @@ def _walsh_hadamard(x):
         d *= 2
 
 
-@jit
+@jit_reassociating
 def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask, lim, out):
     """qm (B, H, G, D) f32: the query in the model's space, its scores scaled by `scale`; sgn (D,) f32: the first
     row of the rotation R = H diag(s) / sqrt(D) (hadamard.rotation), s / sqrt(D), so that R x = H (sgn x) and
@@ -74,15 +210,11 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
         n_max = max(n_max, lim[b])
     s = np.empty((G, N + n_max + T), np.float32)  # scores: window slots, then store positions (whole tiles)
     part = np.empty((G, T), np.float32)
-    ulo = np.empty(T2, np.float32)
-    uhi = np.empty(T2, np.float32)
-    bits = np.empty(max(T, NB), np.int32)  # bf16 scales as f32 bit patterns ...
-    dflt = bits.view(np.float32)  # ... read as f32
     dt = np.empty((NB, T), np.float32)
     qsum = np.empty((G, NB), np.float32)
     qoff = np.empty(G, np.float32)
-    pd = np.empty((G, NB), np.float32)
-    lanes = np.empty(LANES, np.float32)
+    pw = np.empty((G, NB, n_max), np.float32)
+    psc = np.empty((G, NB), np.float32)
     qs = np.empty((G, D), np.float32)  # the scaled query
     qb = np.empty((G, D), np.float32)  # ... rotated into the stores' space
     sink = np.empty((S, D), np.float32)  # a head's sinks (keys, then values) widened
@@ -109,32 +241,40 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
                     if wmask[b, w]:
                         s[g, w] = -np.inf
                     else:
-                        s[g, w] = dot(qs[g], win[w], D, lanes)
-                qoff[g] = dot(qb[g], koff[b, h], D, lanes)
+                        a = np.float32(0)
+                        for e in range(D):
+                            a += qs[g, e] * win[w, e]
+                        s[g, w] = a
+                a = np.float32(0)
+                for e in range(D):
+                    a += qb[g, e] * koff[b, h, e]
+                qoff[g] = a
                 for k in range(NB):
-                    qsum[g, k] = lane_sum(qb[g], 32 * k, 32 * k + 32, lanes)
+                    a = np.float32(0)
+                    for e in range(32 * k, 32 * k + 32):
+                        a += qb[g, e]
+                    qsum[g, k] = a
             for i in range(nt):  # key tile i: positions T i .. T i + T - 1
-                for k in range(NB):
-                    for j in range(T):
-                        bits[j] = (np.int32(ksc[b, h, k, T * i + j]) & 0xFFFF) << 16
-                    dt[k, :] = dflt[:T]
+                kt = kdat[b, h, i]  # (D, T / 2)
                 for g in range(G):
                     for j in range(T):
                         s[g, N + T * i + j] = qoff[g]
-                kt = kdat[b, h, i]  # (D, T / 2)
                 for k in range(NB):
-                    part[:, :] = 0
-                    for e in range(32 * k, 32 * k + 32):
-                        ke = kt[e]
-                        for j in range(T2):
-                            ulo[j] = ke[j] & 15
-                            uhi[j] = ke[j] >> 4
-                        for g in range(G):
-                            qe = qb[g, e]
-                            pg = part[g]
-                            for j in range(T2):
-                                pg[j] += qe * ulo[j]
-                                pg[T2 + j] += qe * uhi[j]
+                    for c in range(T2 // CHUNK):
+                        g0 = 0
+                        while g0 < G:  # part[g0.., :] = the block's products, a group of query heads at a time
+                            r = G - g0
+                            if r >= 4:
+                                _key_sums4(kt, np.int64(32 * k), np.int64(c), qb, np.int64(g0), part)
+                            elif r == 3:
+                                _key_sums3(kt, np.int64(32 * k), np.int64(c), qb, np.int64(g0), part)
+                            elif r == 2:
+                                _key_sums2(kt, np.int64(32 * k), np.int64(c), qb, np.int64(g0), part)
+                            else:
+                                _key_sums1(kt, np.int64(32 * k), np.int64(c), qb, np.int64(g0), part)
+                            g0 += min(r, 4)
+                    for j in range(T):
+                        dt[k, j] = to_f32(ksc[b, h, k, T * i + j])
                     for g in range(G):
                         for j in range(T):
                             s[g, N + T * i + j] += dt[k, j] * (part[g, j] - EIGHT * qsum[g, k])
@@ -143,7 +283,10 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
                     sink[t, e] = to_f32(ksink[b, h, t, e])
             for g in range(G):
                 for t in range(m0):
-                    s[g, N + t] = dot(qb[g], sink[t], D, lanes)
+                    a = np.float32(0)
+                    for e in range(D):
+                        a += qb[g, e] * sink[t, e]
+                    s[g, N + t] = a
             # ---- softmax (unnormalised; divided at the end) ----
             for g in range(G):
                 mx = np.float32(-np.inf)
@@ -151,7 +294,10 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
                     mx = max(mx, s[g, j])
                 for j in range(N + n):
                     s[g, j] = exp_f32(s[g, j] - mx)
-                psum[g] = lane_sum(s[g], 0, N + n, lanes)
+                a = np.float32(0)
+                for j in range(N + n):
+                    a += s[g, j]
+                psum[g] = a
             # ---- weighted sums ----
             accw[:, :] = 0
             acc[:, :] = 0
@@ -164,30 +310,40 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
                     if p != 0:
                         for e in range(D):
                             accw[g, e] += p * win[w, e]
-            for t in range(m0, n):
+            for g in range(G):  # pw[g, k, t]: position t's weight times its block k's scale; psc: their sums
                 for k in range(NB):
-                    bits[k] = (np.int32(vsc[b, h, k, t]) & 0xFFFF) << 16
-                for g in range(G):
-                    p = s[g, N + t]
-                    for k in range(NB):
-                        pd[g, k] = p * dflt[k]
-                for i in range(NV):  # elements W i + j (low nibble) and W i + W / 2 + j (high)
-                    klo, khi = (W * i) // 32, (W * i + W2) // 32
-                    vt = vdat[b, h, i, t]  # (W / 2,)
-                    for j in range(W2):
-                        ulo[j] = np.float32(vt[j] & 15) - EIGHT
-                        uhi[j] = np.float32(vt[j] >> 4) - EIGHT
-                    for g in range(G):
-                        plo, phi = pd[g, klo], pd[g, khi]
-                        ag = acc[g, W * i : W * i + W]
-                        for j in range(W2):
-                            ag[j] += plo * ulo[j]
-                            ag[W2 + j] += phi * uhi[j]
+                    a = np.float32(0)
+                    for t in range(m0, n):
+                        w = s[g, N + t] * to_f32(vsc[b, h, k, t])
+                        pw[g, k, t] = w
+                        a += w
+                    psc[g, k] = a
+            for i in range(NV):
+                vt = vdat[b, h, i]  # (n_pad, W / 2)
+                klo, khi = (W * i) // 32, (W * i + W2) // 32  # the blocks of elements W i + j and W i + W / 2 + j
+                for c in range(W2 // CHUNK):
+                    g0 = 0
+                    while g0 < G:
+                        r = G - g0
+                        if r >= 4:
+                            _value_sums4(vt, m0, n, np.int64(c), pw, np.int64(g0), klo, khi, acc, np.int64(W * i))
+                        elif r == 3:
+                            _value_sums3(vt, m0, n, np.int64(c), pw, np.int64(g0), klo, khi, acc, np.int64(W * i))
+                        elif r == 2:
+                            _value_sums2(vt, m0, n, np.int64(c), pw, np.int64(g0), klo, khi, acc, np.int64(W * i))
+                        else:
+                            _value_sums1(vt, m0, n, np.int64(c), pw, np.int64(g0), klo, khi, acc, np.int64(W * i))
+                        g0 += min(r, 4)
+            for g in range(G):  # the codes' bias: d (u - 8) summed is d u summed less 8 d
+                for e in range(D):
+                    acc[g, e] -= EIGHT * psc[g, e // 32]
             for t in range(m0):
                 for e in range(D):
                     sink[t, e] = to_f32(vsink[b, h, t, e])
             for g in range(G):
-                past = lane_sum(s[g], N + m0, N + n, lanes)  # the weight past the sinks carries the offset
+                past = np.float32(0)  # the weight past the sinks carries the offset
+                for j in range(N + m0, N + n):
+                    past += s[g, j]
                 for t in range(m0):
                     p = s[g, N + t]
                     for e in range(D):
