@@ -1,7 +1,8 @@
 """What the CPU kernels (numba) share: the compile flags, fixed-order sums and 16-bit floats read and written.
 
-Sums run in LANES partial sums added in a fixed order (not fast-math reassociation), so a row's result does
-not depend on how many rows share a call: the server's sequences get the same bits alone and beside others.
+A row's sums run in one fixed order whatever shares the call: LANES partial sums added in order (`dot`), or
+LLVM's reassociation of a compiled loop (jit_reassociating: one order per loop as compiled), so the server's
+sequences get the same bits alone and beside others.
 """
 
 from __future__ import annotations
@@ -110,23 +111,6 @@ def dot(x, y, n, lanes):
     a = np.float32(0)
     for l in range(LANES):
         a += lanes[l]
-    return a
-
-
-@jit
-def lane_sum(x, lo, hi, lanes):
-    """sum x[lo:hi] in LANES partial sums (the tail alone), added in order."""
-    lanes[:] = 0
-    e0 = lo
-    while e0 + LANES <= hi:
-        for l in range(LANES):
-            lanes[l] += x[e0 + l]
-        e0 += LANES
-    a = np.float32(0)
-    for l in range(LANES):
-        a += lanes[l]
-    for e in range(e0, hi):
-        a += x[e]
     return a
 
 

@@ -11,7 +11,10 @@ one softmax over all of them, then the store's values summed in the rotated spac
 or the sink) and the window's in the model's; the first rotated back and the two added.
 Torch would spend ~100 ops a layer on this (unpacking, products, offsets, sinks, the window's part, the
 softmax's cat and split), each with its fixed cost; here it is one call that reads the codes where
-they lie (no dequantized copy: a tile of scores and a row of values at a time).
+they lie (no dequantized copy). The products over the codes are LLVM vector code (_key_sums, _value_sums):
+16 bytes of codes widened once for up to 4 query heads, their sums kept in registers over a block's 32
+dimensions (keys) or over the positions (values); numba's own loops at these short strides kept the sums
+in memory and ran ~3x slower.
 
 Each (sequence, head) is computed alone, in the same order whatever else is in the batch, so a
 sequence gets the same bits alone and beside others (the server's solo/concurrent equality).
@@ -26,7 +29,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import LANES, available, dot, exp_f32, hadamard16, jit, jit_reassociating, lane_sum, numba, to_f32
+from kvcli.cache.cpu_jit import available, exp_f32, hadamard16, jit, jit_reassociating, numba, to_f32
 
 # The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
 # cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
