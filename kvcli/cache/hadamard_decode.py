@@ -11,7 +11,7 @@ one softmax over all of them, then the store's values summed in the rotated spac
 or the sink) and the window's in the model's; the first rotated back and the two added.
 Torch would spend ~100 ops a layer on this (unpacking, products, offsets, sinks, the window's part, the
 softmax's cat and split), each with its fixed cost; here it is one call that reads the codes where
-they lie (no dequantized copy). The products over the codes are LLVM vector code (_key_sums, _value_sums):
+they lie (no dequantized copy). The products over the codes are LLVM vector code (_key_scores, _value_sums):
 16 bytes of codes widened once for up to 4 query heads, their sums kept in registers over a block's 32
 dimensions (keys) or over the positions (values); numba's own loops at these short strides kept the sums
 in memory and ran ~3x slower.
@@ -40,18 +40,22 @@ EIGHT = np.float32(8)  # the codes' bias; f32 so that numba keeps the sums in f3
 CHUNK = 16  # code bytes a vector step reads: 16 positions (keys) or 32 elements (values), two nibbles a byte
 
 
-def _key_sums(kt, e0, c, q, g0, part):
-    """Compiled only (_key_sums1.._key_sums4, a group of 1-4 query heads g0..): part[g0 + g, CHUNK c + l] = sum over the
-    block's 32 dimensions e0 + e of q[g0 + g, e0 + e] times the low nibble of kt[e0 + e, CHUNK c + l], and the high
-    nibble's sum at part[g0 + g, T / 2 + CHUNK c + l]: one block's products for 2 CHUNK positions of a key tile kt
-    (D, T / 2), their codes widened once for the group (the sums held in vector registers, not memory)."""
+def _key_scores(kt, k, c, q, qsum, g0, dk, s, col):
+    """Compiled only (_key_scores1.._key_scores4, a group of 1-4 query heads g0..): block k's part of the scores of
+    2 CHUNK positions of a key tile kt (D, T / 2): with p_l = sum over the block's dimensions e = 32 k + i of
+    q[g0 + g, e] times the low nibble of kt[e, CHUNK c + l] (high: h_l), s[g0 + g, col + CHUNK c + l] += d_l (p_l - 8
+    qsum[g0 + g, k]) and s[g0 + g, col + T / 2 + CHUNK c + l] += d'_l (h_l - 8 qsum[g0 + g, k]), d and d' the
+    positions' block-k scales in dk (T,) bf16 bits (int16), the tile's. The codes are widened once for the group;
+    the sums stay in vector registers."""
     raise NotImplementedError
 
 
-def _value_sums(vt, t0, t1, c, pw, g0, klo, khi, acc, col):
-    """Compiled only (_value_sums1.._value_sums4): acc[g0 + g, col + CHUNK c + l] += sum over positions t0 <= t < t1
-    of pw[g0 + g, klo, t] times the low nibble of vt[t, CHUNK c + l], and acc[g0 + g, col + W / 2 + CHUNK c + l] the
-    high nibbles' with pw[g0 + g, khi, t]: a value tile vt (n_pad, W / 2) summed by weights pw (G, D / 32, n)."""
+def _value_sums(vt, t0, t1, c, s, col_s, dlo, dhi, g0, acc, col):
+    """Compiled only (_value_sums1.._value_sums4, a group of 1-4 query heads g0..): over positions t0 <= t < t1 of a
+    value tile vt (n_pad, W / 2), with p = s[g0 + g, col_s + t] (the position's weight), acc[g0 + g, col + CHUNK c + l]
+    += p dlo[t] (u - 8) for u the low nibble of vt[t, CHUNK c + l], and acc[g0 + g, col + W / 2 + CHUNK c + l] the
+    high nibble's with dhi[t]; dlo, dhi (n_pad,) the blocks' scales, bf16 bits (int16). The sums stay in vector
+    registers over the positions."""
     raise NotImplementedError
 
 
@@ -104,45 +108,58 @@ if numba is not None:
 
     def _key_codegen(ng: int):
         def codegen(context, builder, sig, args):
-            kt, q, part = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 3, 5))
-            e0, c, g0 = args[1], args[2], args[4]
-            col = builder.mul(c, ir.Constant(_I64, CHUNK))
+            kt, q, qsum, dk, sc = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 3, 4, 6, 7))
+            k, c, g0, col = args[1], args[2], args[5], args[8]
+            col_c = builder.mul(c, ir.Constant(_I64, CHUNK))
+            e0 = builder.mul(k, ir.Constant(_I64, 32))
             fma = _fma(builder)
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
 
             def step(i, sums):
                 e = builder.add(e0, i)
-                lo, hi = _nibbles(builder, _at(builder, kt, e, col))
+                lo, hi = _nibbles(builder, _at(builder, kt, e, col_c))
                 out = []
                 for g in range(ng):
-                    qe = _splat(builder, _load(builder, _at(builder, q, builder.add(g0, ir.Constant(_I64, g)), e), _F32))
+                    qe = _splat(builder, _load(builder, _at(builder, q, rows[g], e), _F32))
                     out += [builder.call(fma, [qe, lo, sums[2 * g]]), builder.call(fma, [qe, hi, sums[2 * g + 1]])]
                 return out
 
             sums = _sums_loop(builder, ir.Constant(_I64, 32), ng, step)
             half = cgutils.unpack_tuple(builder, kt.shape)[1]
-            for g in range(ng):
-                row = builder.add(g0, ir.Constant(_I64, g))
-                _store(builder, sums[2 * g], _at(builder, part, row, col))
-                _store(builder, sums[2 * g + 1], _at(builder, part, row, builder.add(half, col)))
+            for j, at in enumerate((col_c, builder.add(half, col_c))):  # the low nibbles' positions, the high ones'
+                bits = builder.zext(_load(builder, _at(builder, dk, at), ir.VectorType(ir.IntType(16), CHUNK)), _INTS)
+                d = builder.bitcast(builder.shl(bits, ir.Constant(_INTS, [16] * CHUNK)), _FLOATS)  # bf16 -> f32
+                for g in range(ng):
+                    bias = builder.fmul(ir.Constant(_F32, 8.0), _load(builder, _at(builder, qsum, rows[g], k), _F32))
+                    addr = _at(builder, sc, rows[g], builder.add(col, at))
+                    p = builder.fsub(sums[2 * g + j], _splat(builder, bias))
+                    _store(builder, builder.call(fma, [d, p, _load(builder, addr, _FLOATS)]), addr)
             return context.get_dummy_value()
 
         return codegen
 
+    def _bf16(builder, addr):
+        """The bf16 (int16 bits) at addr as f32."""
+        bits = builder.zext(_load(builder, addr, ir.IntType(16)), _I32)
+        return builder.bitcast(builder.shl(bits, ir.Constant(_I32, 16)), _F32)
+
     def _value_codegen(ng: int):
         def codegen(context, builder, sig, args):
-            vt, pw, acc = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 4, 8))
-            t0, t1, c, g0, klo, khi, col = (args[j] for j in (1, 2, 3, 5, 6, 7, 9))
+            vt, sc, dlo, dhi, acc = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 4, 6, 7, 9))
+            t0, t1, c, col_s, g0, col = (args[j] for j in (1, 2, 3, 5, 8, 10))
             byte = builder.mul(c, ir.Constant(_I64, CHUNK))
             fma = _fma(builder)
             rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+            eight = ir.Constant(_FLOATS, [8.0] * CHUNK)
 
             def step(i, sums):
                 t = builder.add(t0, i)
-                lo, hi = _nibbles(builder, _at(builder, vt, t, byte))
+                lo, hi = (builder.fsub(u, eight) for u in _nibbles(builder, _at(builder, vt, t, byte)))
+                d = [_bf16(builder, _at(builder, a, t)) for a in (dlo, dhi)]
                 out = []
                 for g in range(ng):
-                    wl = _splat(builder, _load(builder, _at(builder, pw, rows[g], klo, t), _F32))
-                    wh = _splat(builder, _load(builder, _at(builder, pw, rows[g], khi, t), _F32))
+                    p = _load(builder, _at(builder, sc, rows[g], builder.add(col_s, t)), _F32)
+                    wl, wh = (_splat(builder, builder.fmul(p, x)) for x in d)
                     out += [builder.call(fma, [wl, lo, sums[2 * g]]), builder.call(fma, [wh, hi, sums[2 * g + 1]])]
                 return out
 
@@ -157,19 +174,20 @@ if numba is not None:
         return codegen
 
     def _key_intrinsic(ng: int):
-        def typer(typingctx, kt, e0, c, q, g0, part):
-            return types.none(kt, types.int64, types.int64, q, types.int64, part), _key_codegen(ng)
+        def typer(typingctx, kt, k, c, q, qsum, g0, dk, s, col):
+            return (types.none(kt, types.int64, types.int64, q, qsum, types.int64, dk, s, types.int64),
+                    _key_codegen(ng))
 
         return intrinsic(typer)
 
     def _value_intrinsic(ng: int):
-        def typer(typingctx, vt, t0, t1, c, pw, g0, klo, khi, acc, col):
-            return (types.none(vt, types.int64, types.int64, types.int64, pw, types.int64, types.int64, types.int64,
-                               acc, types.int64), _value_codegen(ng))
+        def typer(typingctx, vt, t0, t1, c, s, col_s, dlo, dhi, g0, acc, col):
+            return (types.none(vt, types.int64, types.int64, types.int64, s, types.int64, dlo, dhi, types.int64, acc,
+                               types.int64), _value_codegen(ng))
 
         return intrinsic(typer)
 
-    _key_sums1, _key_sums2, _key_sums3, _key_sums4 = (_key_intrinsic(g) for g in (1, 2, 3, 4))
+    _key_scores1, _key_scores2, _key_scores3, _key_scores4 = (_key_intrinsic(g) for g in (1, 2, 3, 4))
     _value_sums1, _value_sums2, _value_sums3, _value_sums4 = (_value_intrinsic(g) for g in (1, 2, 3, 4))
 
 
@@ -212,12 +230,8 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
     for b in range(B):
         n_max = max(n_max, lim[b])
     s = np.empty((G, N + n_max + T), np.float32)  # scores: window slots, then store positions (whole tiles)
-    part = np.empty((G, T), np.float32)
-    dt = np.empty((NB, T), np.float32)
     qsum = np.empty((G, NB), np.float32)
     qoff = np.empty(G, np.float32)
-    pw = np.empty((G, NB, n_max), np.float32)
-    psc = np.empty((G, NB), np.float32)
     qs = np.empty((G, D), np.float32)  # the scaled query
     qb = np.empty((G, D), np.float32)  # ... rotated into the stores' space
     sink = np.empty((S, D), np.float32)  # a head's sinks (keys, then values) widened
@@ -257,30 +271,27 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
                     for e in range(32 * k, 32 * k + 32):
                         a += qb[g, e]
                     qsum[g, k] = a
+            for g in range(G):
+                for j in range(N, N + T * nt):
+                    s[g, j] = qoff[g]
             for i in range(nt):  # key tile i: positions T i .. T i + T - 1
                 kt = kdat[b, h, i]  # (D, T / 2)
-                for g in range(G):
-                    for j in range(T):
-                        s[g, N + T * i + j] = qoff[g]
+                col = np.int64(N + T * i)
                 for k in range(NB):
+                    dk = ksc[b, h, k, T * i : T * i + T]
                     for c in range(T2 // CHUNK):
                         g0 = 0
-                        while g0 < G:  # part[g0.., :] = the block's products, a group of query heads at a time
+                        while g0 < G:  # a group of query heads at a time
                             r = G - g0
                             if r >= 4:
-                                _key_sums4(kt, np.int64(32 * k), np.int64(c), qb, np.int64(g0), part)
+                                _key_scores4(kt, np.int64(k), np.int64(c), qb, qsum, np.int64(g0), dk, s, col)
                             elif r == 3:
-                                _key_sums3(kt, np.int64(32 * k), np.int64(c), qb, np.int64(g0), part)
+                                _key_scores3(kt, np.int64(k), np.int64(c), qb, qsum, np.int64(g0), dk, s, col)
                             elif r == 2:
-                                _key_sums2(kt, np.int64(32 * k), np.int64(c), qb, np.int64(g0), part)
+                                _key_scores2(kt, np.int64(k), np.int64(c), qb, qsum, np.int64(g0), dk, s, col)
                             else:
-                                _key_sums1(kt, np.int64(32 * k), np.int64(c), qb, np.int64(g0), part)
+                                _key_scores1(kt, np.int64(k), np.int64(c), qb, qsum, np.int64(g0), dk, s, col)
                             g0 += min(r, 4)
-                    for j in range(T):
-                        dt[k, j] = to_f32(ksc[b, h, k, T * i + j])
-                    for g in range(G):
-                        for j in range(T):
-                            s[g, N + T * i + j] += dt[k, j] * (part[g, j] - EIGHT * qsum[g, k])
             for t in range(m0):  # the sinks: their f16 copies, no offset
                 for e in range(D):
                     sink[t, e] = to_f32(ksink[b, h, t, e])
@@ -313,33 +324,27 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
                     if p != 0:
                         for e in range(D):
                             accw[g, e] += p * win[w, e]
-            for g in range(G):  # pw[g, k, t]: position t's weight times its block k's scale; psc: their sums
-                for k in range(NB):
-                    a = np.float32(0)
-                    for t in range(m0, n):
-                        w = s[g, N + t] * to_f32(vsc[b, h, k, t])
-                        pw[g, k, t] = w
-                        a += w
-                    psc[g, k] = a
             for i in range(NV):
                 vt = vdat[b, h, i]  # (n_pad, W / 2)
-                klo, khi = (W * i) // 32, (W * i + W2) // 32  # the blocks of elements W i + j and W i + W / 2 + j
+                # elements W i + j and W i + W / 2 + j: their blocks' scales
+                dlo, dhi = vsc[b, h, (W * i) // 32], vsc[b, h, (W * i + W2) // 32]
                 for c in range(W2 // CHUNK):
                     g0 = 0
                     while g0 < G:
                         r = G - g0
                         if r >= 4:
-                            _value_sums4(vt, m0, n, np.int64(c), pw, np.int64(g0), klo, khi, acc, np.int64(W * i))
+                            _value_sums4(vt, m0, n, np.int64(c), s, np.int64(N), dlo, dhi, np.int64(g0), acc,
+                                         np.int64(W * i))
                         elif r == 3:
-                            _value_sums3(vt, m0, n, np.int64(c), pw, np.int64(g0), klo, khi, acc, np.int64(W * i))
+                            _value_sums3(vt, m0, n, np.int64(c), s, np.int64(N), dlo, dhi, np.int64(g0), acc,
+                                         np.int64(W * i))
                         elif r == 2:
-                            _value_sums2(vt, m0, n, np.int64(c), pw, np.int64(g0), klo, khi, acc, np.int64(W * i))
+                            _value_sums2(vt, m0, n, np.int64(c), s, np.int64(N), dlo, dhi, np.int64(g0), acc,
+                                         np.int64(W * i))
                         else:
-                            _value_sums1(vt, m0, n, np.int64(c), pw, np.int64(g0), klo, khi, acc, np.int64(W * i))
+                            _value_sums1(vt, m0, n, np.int64(c), s, np.int64(N), dlo, dhi, np.int64(g0), acc,
+                                         np.int64(W * i))
                         g0 += min(r, 4)
-            for g in range(G):  # the codes' bias: d (u - 8) summed is d u summed less 8 d
-                for e in range(D):
-                    acc[g, e] -= EIGHT * psc[g, e // 32]
             for t in range(m0):
                 for e in range(D):
                     sink[t, e] = to_f32(vsink[b, h, t, e])
