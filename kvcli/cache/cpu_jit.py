@@ -71,6 +71,7 @@ if THREADED:
 # LLVM's fast-math flags less "no infinities" and "no NaNs" (masked scores are -inf) and reassociation
 FAST = {"contract", "arcp", "nsz", "afn"}
 LANES = 16  # a sum's partial sums: a fixed order (the same bits for any batch) that still fills a vector
+VEC = 16  # f32 lanes of the intrinsics' vectors (ir_*): one AVX-512 register
 
 
 def jit(f):
@@ -282,3 +283,52 @@ if numba is not None:
         if x == types.int16:
             return lambda x: _f32_from_bf16(x)
         return None
+
+    # ---- LLVM vector IR for the kernels' intrinsics (hadamard_decode): VEC f32 lanes at a time ----
+    _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    FLOATS, INTS = ir.VectorType(_F32, VEC), ir.VectorType(_I32, VEC)
+
+    def ir_at(builder, arr, *index):
+        """The address (i64) of arr[index...] (an array's leading indices: what follows is contiguous)."""
+        addr = builder.ptrtoint(arr.data, _I64)
+        for i, stride in zip(index, cgutils.unpack_tuple(builder, arr.strides)):
+            addr = builder.add(addr, builder.mul(i, stride))
+        return addr
+
+    def ir_load(builder, addr, ty):
+        return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=1)
+
+    def ir_store(builder, value, addr):
+        builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
+
+    def ir_splat(builder, x):
+        """f32 x in every lane."""
+        v = builder.insert_element(ir.Constant(FLOATS, None), x, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(INTS, [0] * VEC))
+
+    def ir_fma(builder):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS] * 3),
+                                              f"llvm.fma.v{VEC}f32")
+
+    def ir_widen(builder, addr, dtype):
+        """VEC elements of a dense store at addr as f32: f32 as they are, f16 bits (uint16) through LLVM's half, bf16
+        bits (int16) shifted into an f32's high half."""
+        if dtype == types.float32:
+            return ir_load(builder, addr, FLOATS)
+        bits = ir_load(builder, addr, ir.VectorType(ir.IntType(16), VEC))
+        if dtype == types.uint16:
+            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), VEC)), FLOATS)
+        return builder.bitcast(builder.shl(builder.zext(bits, INTS), ir.Constant(INTS, [16] * VEC)), FLOATS)
+
+    def ir_sums_loop(builder, count, n, step):
+        """n vector sums kept in registers over a loop of `count` (i64) steps: step(i, sums) -> the new sums.
+        Returns the final sums (zeros where count is 0)."""
+        zero = ir.Constant(FLOATS, [0.0] * VEC)
+        slots = [cgutils.alloca_once(builder, FLOATS) for _ in range(n)]  # promoted to registers by LLVM
+        for a in slots:
+            builder.store(zero, a)
+        with cgutils.for_range(builder, count) as loop:
+            new = step(loop.index, [builder.load(a) for a in slots])
+            for a, v in zip(slots, new):
+                builder.store(v, a)
+        return [builder.load(a) for a in slots]

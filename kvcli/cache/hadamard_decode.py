@@ -29,7 +29,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import available, exp_f32, hadamard16, jit, jit_reassociating, numba, to_f32
+from kvcli.cache.cpu_jit import VEC, available, exp_f32, hadamard16, jit, jit_reassociating, numba, to_f32
 
 # The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
 # cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
@@ -37,7 +37,7 @@ MAX_POSITIONS = 1024
 EIGHT = np.float32(8)  # the codes' bias; f32 so that numba keeps the sums in f32
 
 
-CHUNK = 16  # code bytes a vector step reads: 16 positions (keys) or 32 elements (values), two nibbles a byte
+CHUNK = VEC  # code bytes a vector step reads: 16 positions (keys) or 32 elements (values), two nibbles a byte
 
 
 def _key_scores(kt, k, c, q, qsum, g0, dk, s, col):
@@ -65,46 +65,20 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
+    from kvcli.cache.cpu_jit import FLOATS, INTS, ir_at, ir_fma, ir_load, ir_splat, ir_store, ir_sums_loop, ir_widen
+
     _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
-    _BYTES, _INTS, _FLOATS = (ir.VectorType(t, CHUNK) for t in (_I8, _I32, _F32))
-
-    def _at(builder, arr, *index):
-        """The address (i64) of arr[index...] (an array's leading indices: what follows is contiguous)."""
-        addr = builder.ptrtoint(arr.data, _I64)
-        for i, stride in zip(index, cgutils.unpack_tuple(builder, arr.strides)):
-            addr = builder.add(addr, builder.mul(i, stride))
-        return addr
-
-    def _load(builder, addr, ty):
-        return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=1)
-
-    def _store(builder, value, addr):
-        builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
-
-    def _splat(builder, x):
-        v = builder.insert_element(ir.Constant(_FLOATS, None), x, ir.Constant(_I32, 0))
-        return builder.shuffle_vector(v, v, ir.Constant(_INTS, [0] * CHUNK))
+    _BYTES = ir.VectorType(_I8, CHUNK)
 
     def _nibbles(builder, addr):
         """CHUNK code bytes at addr -> their low and high nibbles as f32 vectors."""
-        wide = builder.zext(_load(builder, addr, _BYTES), _INTS)
-        return [builder.sitofp(builder.and_(wide, ir.Constant(_INTS, [15] * CHUNK)), _FLOATS),
-                builder.sitofp(builder.lshr(wide, ir.Constant(_INTS, [4] * CHUNK)), _FLOATS)]
+        wide = builder.zext(ir_load(builder, addr, _BYTES), INTS)
+        return [builder.sitofp(builder.and_(wide, ir.Constant(INTS, [15] * CHUNK)), FLOATS),
+                builder.sitofp(builder.lshr(wide, ir.Constant(INTS, [4] * CHUNK)), FLOATS)]
 
     def _sums_loop(builder, count, groups, step):
-        """Vector accumulators (groups of low/high pairs) kept in registers over a loop of `count` steps: step(i, sums)
-        -> the new sums. Returns the final sums."""
-        zero = ir.Constant(_FLOATS, [0.0] * CHUNK)
-        slots = [cgutils.alloca_once_value(builder, zero) for _ in range(2 * groups)]  # promoted to registers
-        with cgutils.for_range(builder, count) as loop:
-            new = step(loop.index, [builder.load(a) for a in slots])
-            for a, v in zip(slots, new):
-                builder.store(v, a)
-        return [builder.load(a) for a in slots]
-
-    def _fma(builder):
-        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(_FLOATS, [_FLOATS] * 3),
-                                              f"llvm.fma.v{CHUNK}f32")
+        """ir_sums_loop of a low and a high sum for each of `groups` query heads."""
+        return ir_sums_loop(builder, count, 2 * groups, step)
 
     def _key_codegen(ng: int):
         def codegen(context, builder, sig, args):
@@ -112,54 +86,55 @@ if numba is not None:
             k, c, g0, col = args[1], args[2], args[5], args[8]
             col_c = builder.mul(c, ir.Constant(_I64, CHUNK))
             e0 = builder.mul(k, ir.Constant(_I64, 32))
-            fma = _fma(builder)
+            fma = ir_fma(builder)
             rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
 
             def step(i, sums):
                 e = builder.add(e0, i)
-                lo, hi = _nibbles(builder, _at(builder, kt, e, col_c))
+                lo, hi = _nibbles(builder, ir_at(builder, kt, e, col_c))
                 out = []
                 for g in range(ng):
-                    qe = _splat(builder, _load(builder, _at(builder, q, rows[g], e), _F32))
+                    qe = ir_splat(builder, ir_load(builder, ir_at(builder, q, rows[g], e), _F32))
                     out += [builder.call(fma, [qe, lo, sums[2 * g]]), builder.call(fma, [qe, hi, sums[2 * g + 1]])]
                 return out
 
             sums = _sums_loop(builder, ir.Constant(_I64, 32), ng, step)
             half = cgutils.unpack_tuple(builder, kt.shape)[1]
             for j, at in enumerate((col_c, builder.add(half, col_c))):  # the low nibbles' positions, the high ones'
-                bits = builder.zext(_load(builder, _at(builder, dk, at), ir.VectorType(ir.IntType(16), CHUNK)), _INTS)
-                d = builder.bitcast(builder.shl(bits, ir.Constant(_INTS, [16] * CHUNK)), _FLOATS)  # bf16 -> f32
+                d = ir_widen(builder, ir_at(builder, dk, at), types.int16)  # the positions' scales
                 for g in range(ng):
-                    bias = builder.fmul(ir.Constant(_F32, 8.0), _load(builder, _at(builder, qsum, rows[g], k), _F32))
-                    addr = _at(builder, sc, rows[g], builder.add(col, at))
-                    p = builder.fsub(sums[2 * g + j], _splat(builder, bias))
-                    _store(builder, builder.call(fma, [d, p, _load(builder, addr, _FLOATS)]), addr)
+                    qk = ir_load(builder, ir_at(builder, qsum, rows[g], k), _F32)
+                    bias = builder.fmul(ir.Constant(_F32, 8.0), qk)
+                    addr = ir_at(builder, sc, rows[g], builder.add(col, at))
+                    p = builder.fsub(sums[2 * g + j], ir_splat(builder, bias))
+                    ir_store(builder, builder.call(fma, [d, p, ir_load(builder, addr, FLOATS)]), addr)
             return context.get_dummy_value()
 
         return codegen
 
     def _bf16(builder, addr):
         """The bf16 (int16 bits) at addr as f32."""
-        bits = builder.zext(_load(builder, addr, ir.IntType(16)), _I32)
+        bits = builder.zext(ir_load(builder, addr, ir.IntType(16)), _I32)
         return builder.bitcast(builder.shl(bits, ir.Constant(_I32, 16)), _F32)
 
     def _value_codegen(ng: int):
         def codegen(context, builder, sig, args):
-            vt, sc, dlo, dhi, acc = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 4, 6, 7, 9))
+            vt, sc, dlo, dhi, acc = (context.make_array(sig.args[j])(context, builder, args[j])
+                                     for j in (0, 4, 6, 7, 9))
             t0, t1, c, col_s, g0, col = (args[j] for j in (1, 2, 3, 5, 8, 10))
             byte = builder.mul(c, ir.Constant(_I64, CHUNK))
-            fma = _fma(builder)
+            fma = ir_fma(builder)
             rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
-            eight = ir.Constant(_FLOATS, [8.0] * CHUNK)
+            eight = ir.Constant(FLOATS, [8.0] * CHUNK)
 
             def step(i, sums):
                 t = builder.add(t0, i)
-                lo, hi = (builder.fsub(u, eight) for u in _nibbles(builder, _at(builder, vt, t, byte)))
-                d = [_bf16(builder, _at(builder, a, t)) for a in (dlo, dhi)]
+                lo, hi = (builder.fsub(u, eight) for u in _nibbles(builder, ir_at(builder, vt, t, byte)))
+                d = [_bf16(builder, ir_at(builder, a, t)) for a in (dlo, dhi)]
                 out = []
                 for g in range(ng):
-                    p = _load(builder, _at(builder, sc, rows[g], builder.add(col_s, t)), _F32)
-                    wl, wh = (_splat(builder, builder.fmul(p, x)) for x in d)
+                    p = ir_load(builder, ir_at(builder, sc, rows[g], builder.add(col_s, t)), _F32)
+                    wl, wh = (ir_splat(builder, builder.fmul(p, x)) for x in d)
                     out += [builder.call(fma, [wl, lo, sums[2 * g]]), builder.call(fma, [wh, hi, sums[2 * g + 1]])]
                 return out
 
@@ -167,8 +142,8 @@ if numba is not None:
             half = cgutils.unpack_tuple(builder, vt.shape)[1]
             for g in range(ng):
                 for j, at in enumerate((builder.add(col, byte), builder.add(builder.add(col, half), byte))):
-                    addr = _at(builder, acc, rows[g], at)
-                    _store(builder, builder.fadd(_load(builder, addr, _FLOATS), sums[2 * g + j]), addr)
+                    addr = ir_at(builder, acc, rows[g], at)
+                    ir_store(builder, builder.fadd(ir_load(builder, addr, FLOATS), sums[2 * g + j]), addr)
             return context.get_dummy_value()
 
         return codegen
