@@ -310,14 +310,9 @@ if numba is not None:
         return cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS] * 3),
                                               f"llvm.fma.v{VEC}f32")
 
-    def ir_widen(builder, addr, dtype):
-        """VEC elements of a dense store at addr as f32: f32 as they are, f16 bits (uint16) through LLVM's half, bf16
-        bits (int16) shifted into an f32's high half."""
-        if dtype == types.float32:
-            return ir_load(builder, addr, FLOATS)
+    def ir_bf16(builder, addr):
+        """VEC bf16 values (int16 bits) at addr as f32: each shifted into an f32's high half."""
         bits = ir_load(builder, addr, ir.VectorType(ir.IntType(16), VEC))
-        if dtype == types.uint16:
-            return builder.fpext(builder.bitcast(bits, ir.VectorType(ir.HalfType(), VEC)), FLOATS)
         return builder.bitcast(builder.shl(builder.zext(bits, INTS), ir.Constant(INTS, [16] * VEC)), FLOATS)
 
     def ir_sums_loop(builder, count, n, step):

@@ -65,7 +65,7 @@ if numba is not None:
     from numba.core import cgutils
     from numba.extending import intrinsic
 
-    from kvcli.cache.cpu_jit import FLOATS, INTS, ir_at, ir_fma, ir_load, ir_splat, ir_store, ir_sums_loop, ir_widen
+    from kvcli.cache.cpu_jit import FLOATS, INTS, ir_at, ir_fma, ir_load, ir_splat, ir_store, ir_sums_loop, ir_bf16
 
     _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
     _BYTES = ir.VectorType(_I8, CHUNK)
@@ -101,7 +101,7 @@ if numba is not None:
             sums = _sums_loop(builder, ir.Constant(_I64, 32), ng, step)
             half = cgutils.unpack_tuple(builder, kt.shape)[1]
             for j, at in enumerate((col_c, builder.add(half, col_c))):  # the low nibbles' positions, the high ones'
-                d = ir_widen(builder, ir_at(builder, dk, at), types.int16)  # the positions' scales
+                d = ir_bf16(builder, ir_at(builder, dk, at))  # the positions' scales
                 for g in range(ng):
                     qk = ir_load(builder, ir_at(builder, qsum, rows[g], k), _F32)
                     bias = builder.fmul(ir.Constant(_F32, 8.0), qk)
