@@ -18,6 +18,7 @@ import socket
 import threading
 import time
 import uuid
+import weakref
 from importlib import resources
 from typing import Callable
 
@@ -61,6 +62,31 @@ class Server:
         return self.engine
 
 
+class Mailbox:
+    """Events from the engine thread to the event loop's queues, one loop wakeup for all that a step posts: a step of
+    four streams woke the loop four times (four self-pipe writes, four turns of the GIL between the threads)."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop):
+        self.loop, self.lock, self.items, self.posted = loop, threading.Lock(), [], False
+
+    def post(self, queue: asyncio.Queue, event) -> None:  # on the engine thread
+        with self.lock:
+            self.items.append((queue, event))
+            if self.posted:
+                return
+            self.posted = True
+        try:
+            self.loop.call_soon_threadsafe(self._deliver)
+        except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
+            pass
+
+    def _deliver(self) -> None:  # on the loop
+        with self.lock:
+            items, self.items, self.posted = self.items, [], False
+        for queue, event in items:
+            queue.put_nowait(event)
+
+
 def _sse(obj) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"
 
@@ -84,7 +110,7 @@ def _completion_logprobs(tok, items: list[dict]) -> dict:
 
 
 def create_app(server: Server) -> FastAPI:
-    def check_key(request: Request) -> None:
+    async def check_key(request: Request) -> None:  # async: on the loop, not a worker thread a request
         if server.api_key is None or request.url.path in PUBLIC:
             return
         auth = request.headers.get("authorization", "")
@@ -206,17 +232,14 @@ def create_app(server: Server) -> FastAPI:
                 raise ApiError(400, "the prompt is empty", "prompt")
             return await _complete(e, body, ids, body.logprobs, chat=False, ticket=ticket)
 
+    mailboxes: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # a Mailbox per event loop serving
+
     async def _complete(e: Engine, body: Sampling, ids: list[int], n_top: int | None, chat: bool, ticket=None):
         loop = asyncio.get_running_loop()
+        mailbox = mailboxes.get(loop) or mailboxes.setdefault(loop, Mailbox(loop))
         queue: asyncio.Queue = asyncio.Queue()
-
-        def emit(event) -> None:  # on the engine thread
-            try:
-                loop.call_soon_threadsafe(queue.put_nowait, event)
-            except RuntimeError:  # the event loop is gone (shutdown): nobody is listening
-                pass
-
-        job = Job(ids, emit, body.sampler(e.eog), body.limit(), body.stops(), n_top)
+        job = Job(ids, lambda event: mailbox.post(queue, event), body.sampler(e.eog), body.limit(), body.stops(),
+                  n_top)
         try:
             e.submit(job, ticket)
         except QueueFull as err:
