@@ -141,6 +141,12 @@ def hadamard16(x, i):
     raise NotImplementedError  # compiled only (the intrinsic below)
 
 
+def butterfly16(x, j, d):
+    """x[j + l], x[j + d + l] <- their sum, their difference for l < 16 (x f32, C order): one level of a longer
+    Walsh-Hadamard transform, 16 pairs as two vectors."""
+    raise NotImplementedError  # compiled only (the intrinsic below)
+
+
 def from_f32(x, like):
     """f32 x as an element of the dense store whose elements are like `like`: f32 as is, f16 bits (uint16)
     through LLVM's half type and bf16 bits (int16), both rounded to nearest even as torch's conversions."""
@@ -245,6 +251,26 @@ if numba is not None:
             return context.get_dummy_value()
 
         return types.none(x, types.int64), codegen
+
+    @intrinsic
+    def _butterfly16(typingctx, x, j, d):
+        def codegen(context, builder, signature, args):
+            vf = ir.VectorType(ir.FloatType(), 16)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            lo = builder.bitcast(builder.gep(data, [args[1]]), vf.as_pointer())
+            hi = builder.bitcast(builder.gep(data, [builder.add(args[1], args[2])]), vf.as_pointer())
+            a, c = builder.load(lo, align=4), builder.load(hi, align=4)
+            builder.store(builder.fadd(a, c), lo, align=4)
+            builder.store(builder.fsub(a, c), hi, align=4)
+            return context.get_dummy_value()
+
+        return types.none(x, types.int64, types.int64), codegen
+
+    @overload(butterfly16, inline="always")
+    def _butterfly16_overload(x, j, d):
+        if isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" and x.ndim == 1:
+            return lambda x, j, d: _butterfly16(x, np.int64(j), np.int64(d))
+        return None
 
     @overload(hadamard16, inline="always")
     def _hadamard16_overload(x, i):

@@ -29,7 +29,7 @@ import math
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import VEC, available, exp_f32, hadamard16, jit, jit_reassociating, numba, to_f32
+from kvcli.cache.cpu_jit import VEC, available, butterfly16, exp_f32, hadamard16, jit, jit_reassociating, numba, to_f32
 
 # The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
 # cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
@@ -176,9 +176,8 @@ def _walsh_hadamard(x):
     d = 16
     while d < D:
         for i in range(0, D, 2 * d):
-            for j in range(i, i + d):
-                a, c = x[j], x[j + d]
-                x[j], x[j + d] = a + c, a - c
+            for j in range(i, i + d, 16):
+                butterfly16(x, j, d)
         d *= 2
 
 
