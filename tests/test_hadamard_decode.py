@@ -92,14 +92,17 @@ def test_a_row_gets_the_same_bits_alone_and_beside_others():
         assert torch.equal(attend_cpu_decode(q[b : b + 1], one, 1, pos[b : b + 1], r), together[b : b + 1])
 
 
-def test_deep_stores_and_fa_off_take_the_reference(monkeypatch):
-    """Past MAX_POSITIONS the int4 GEMM's products cost less: the kernel declines; -fa off is the reference."""
-    monkeypatch.setattr(hadamard_decode, "MAX_POSITIONS", 100)
+def test_deep_stores_take_the_kernel_and_fa_off_the_reference(monkeypatch):
+    """The kernel reads a store at any depth (it once left stores past 1024 positions to the int4 GEMM); -fa off
+    is the reference."""
+    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**9, False: 10**9})
     g = torch.Generator().manual_seed(3)
-    cache = _cache(1, 0, 64)
-    cache.store(0, torch.randn(1, 150, HKV, D, generator=g), torch.randn(1, 150, HKV, D, generator=g), 0)
+    cache = _cache(1, 16, 64, n_ctx=1400)
+    cache.store(0, torch.randn(1, 1300, HKV, D, generator=g), torch.randn(1, 1300, HKV, D, generator=g), 0)
     q = torch.randn(1, 1, HKV * G, D, generator=g)
-    assert attend_cpu_decode(q, cache, 0, 149) is None
+    recent = cache.store(0, torch.randn(1, 1, HKV, D, generator=g), torch.randn(1, 1, HKV, D, generator=g), 1300)
+    torch.testing.assert_close(attend_cpu_decode(q, cache, 0, 1300, recent),
+                               attend_reference(q, cache, 0, 1300, recent=recent), rtol=1e-5, atol=2e-5)
     monkeypatch.setattr(hadamard_decode, "attend", lambda *a: pytest.fail("the kernel ran"))
     torch.testing.assert_close(Attention(flash=False)(q, cache, 0, 99), attend_reference(q, cache, 0, 99, flash=False))
 

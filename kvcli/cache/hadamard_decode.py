@@ -31,9 +31,6 @@ import torch
 
 from kvcli.cache.cpu_jit import VEC, available, butterfly16, exp_f32, hadamard16, jit, jit_reassociating, numba, to_f32
 
-# The longest store read (positions below the window) this kernel takes; past it the store's int4 GEMM products
-# cost less (benchmarks/README.md: the crossover is ~1000 positions at 4 sequences, ~2800 at one).
-MAX_POSITIONS = 1024
 EIGHT = np.float32(8)  # the codes' bias; f32 so that numba keeps the sums in f32
 
 
@@ -367,31 +364,22 @@ def _views(store, layer: int) -> tuple:
     return store.kernel_arrays("q4_hadamard", layer, parts, _np)
 
 
-def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor | None:
+def decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, recent) -> torch.Tensor:
     """attend_reference's result (B, 1, H * D) for q (B, 1, H, D) at pos (an int, or (B,) each sequence's own)
-    with the cache's window `recent` (kvcli.attention.Recent) or None; None where the store reaches past
-    MAX_POSITIONS (the int4 GEMM's products cost less there)."""
+    with the cache's window `recent` (kvcli.attention.Recent) or None, at any depth (it reads fewer bytes a position
+    than the store's int4 GEMM path, and beat it at every depth measured, -t 1 and 2: benchmarks/README.md)."""
     B, _, H, D = q.shape
     Hkv = cache.k.n_heads
-    # as attend_reference: the store below lim (per sequence), the window above it; the deepest read checked
-    # first, from what is at hand (no tensor reduction a layer)
+    # as attend_reference: the store below lim (per sequence), the window above it
     rows = torch.is_tensor(pos)
-    if recent is None:
-        deepest = int(pos.max()) + 1 if rows else pos + 1
-    elif recent.masked is not None:  # rows at their own positions: recent.high is their largest limit
-        deepest = recent.high
-    else:  # one position for every row: the window is positions recent.start..pos, all read
-        deepest = max(pos - recent.size + 1, recent.start)
-    if deepest > MAX_POSITIONS:
-        return None
     if recent is None:
         lim = (pos + 1).numpy() if rows else np.full(B, pos + 1, np.int64)
         window = None
     elif recent.masked is not None:  # the ring as it is (kv16), or k and v as given (a test's rows)
         kv = recent.kv16 if recent.kv16 is not None else torch.cat([recent.k, recent.v], 1).half()
         lim, window = recent.lim.view(B).numpy(), (kv.view(torch.uint16).numpy(), recent.masked.view(B, -1).numpy())
-    else:  # positions recent.start..pos, widened from the window's f16: back to f16 exactly
-        lim = np.full(B, deepest, np.int64)
+    else:  # one position for every row: the window is positions recent.start..pos (all read), widened from its f16
+        lim = np.full(B, max(pos - recent.size + 1, recent.start), np.int64)
         kv = torch.cat([recent.k, recent.v], 1).half().view(torch.uint16)
         window = (kv.numpy(), np.zeros((B, kv.shape[2]), np.bool_))
     qm = q.reshape(B, Hkv, H // Hkv, D)  # (B, Hkv, G, D): T = 1
