@@ -168,6 +168,15 @@ def test_tile_layout_bytes(monkeypatch, keys, tile, compiled):
     assert torch.equal(store.codes(0, 0, n)[0, 0], u[0, :, 0])
 
 
+def test_a_compiled_write_outside_the_store_raises():
+    """The compiled pass has no bounds checks of its own: a position past the store is an IndexError, as torch's."""
+    if not hadamard_quantize.available():
+        pytest.skip("numba is not installed")
+    store = resolve_type("q4_hadamard")(1, 1, 1, 64, 64, keys=True)
+    with pytest.raises(IndexError):
+        store.put(0, torch.zeros(1, 1, 1, 64, dtype=torch.uint8), torch.ones(1, 1, 1, 2), store.n_pad)
+
+
 @pytest.mark.parametrize("compiled", [True, False], ids=["compiled", "torch"])
 @pytest.mark.parametrize("window", [0, 16])
 def test_rows_store_a_step_as_each_alone(monkeypatch, window, compiled):
