@@ -31,7 +31,6 @@ import torch
 
 from kvcli.cache.cpu_jit import VEC, available, butterfly16, exp_f32, hadamard16, jit, jit_reassociating, numba, to_f32
 
-EIGHT = np.float32(8)  # the codes' bias; f32 so that numba keeps the sums in f32
 
 
 CHUNK = VEC  # code bytes a vector step reads: 16 positions (keys) or 32 elements (values), two nibbles a byte
