@@ -16,6 +16,7 @@ import sys
 import time
 
 import torch
+from kvcli.attention import Attention
 
 H, HKV, D = 32, 8, 128
 
@@ -38,7 +39,7 @@ def decode_writes_same(kind: str, k: torch.Tensor, v: torch.Tensor) -> float:
     of equal codes over the positions written."""
     from kvcli.cache import KVCache
 
-    a, b = (KVCache(1, 1, HKV, 256, D, kind, kind, device="cuda") for _ in range(2))
+    a, b = (KVCache(1, 1, HKV, 256, D, kind, kind, device="cuda", attention=Attention()) for _ in range(2))
     os.environ["KVCLI_TRITON"] = "0"
     try:
         for c in (a, b):
@@ -55,7 +56,7 @@ def decode_writes_same(kind: str, k: torch.Tensor, v: torch.Tensor) -> float:
 
 def check(types) -> bool:
     from kvcli.attention import attend_reference, attend_triton
-    from kvcli.kernels.quantize import quantize_codes, quantize_into, quantize_tq
+    from kvcli.kernels.gpu.quantize import quantize_codes, quantize_into, quantize_tq
     from kvcli.cache import KVCache
     from kvcli.cache.ggml_blocks import quantize_reference
     from kvcli.cache.hadamard import quantize_vectors as quantize_codes_reference
@@ -66,7 +67,7 @@ def check(types) -> bool:
     for kind in types:
         # quantize-on-write: a 512-token prefill of one layer, bytes against the PyTorch reference (on GPU)
         x = torch.randn(1, 512, HKV, D, device="cuda", generator=g) * 3
-        cache = KVCache(1, 1, HKV, 1024, D, kind, kind, device="cuda")
+        cache = KVCache(1, 1, HKV, 1024, D, kind, kind, device="cuda", attention=Attention())
         tq = isinstance(cache.k, TurboStore)
         if kind == "q4_hadamard" or tq:  # codes and scales (the store packs them into its tiles)
             if tq:
@@ -88,7 +89,7 @@ def check(types) -> bool:
         e1 = (attend_triton(q1, cache, 0, 999) - attend_reference(q1, cache, 0, 999)).abs().max().item()
         ep = (attend_triton(qp, cache, 0, 976) - attend_reference(qp, cache, 0, 976)).abs().max().item()
         # the recent window: a 1000-token prefill, then one decode step, each read through the kernel
-        wc = KVCache(1, 1, HKV, 1024, D, kind, kind, device="cuda", window=WINDOW)
+        wc = KVCache(1, 1, HKV, 1024, D, kind, kind, device="cuda", window=WINDOW, attention=Attention())
         recent = wc.store(0, k, v, 0)
         qw = torch.randn(1, 1000, H, D, device="cuda", generator=g)
         ew = (attend_triton(qw, wc, 0, 0, recent) - attend_reference(qw, wc, 0, 0, recent=recent)).abs().max().item()
@@ -120,7 +121,7 @@ def bench(types, depths, window_types=()) -> None:
     print(f"{'type':16s} {'depth':>6s} {'kernel us':>10s} {'GB/s':>8s} {'reference us':>13s} {'layer-tok/s':>12s}")
     for depth in depths:
         for kind, window in [(t, 0) for t in types] + [(t, WINDOW) for t in window_types]:
-            cache = KVCache(1, 1, HKV, depth + 1, D, kind, kind, device="cuda", window=window)
+            cache = KVCache(1, 1, HKV, depth + 1, D, kind, kind, device="cuda", window=window, attention=Attention())
             for c0 in range(0, depth - 1, 4096):  # fill in chunks (bounded scratch)
                 n = min(4096, depth - 1 - c0)
                 cache.store(0, torch.randn(1, n, HKV, D, device="cuda"), torch.randn(1, n, HKV, D, device="cuda"), c0)

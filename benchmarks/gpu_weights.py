@@ -64,7 +64,7 @@ def main() -> int:
     import torch
     import torch.nn.functional as F
 
-    from kvcli.kernels.weights import weight_matmul
+    from kvcli.kernels.gpu.weights import weight_matmul
 
     cuda = not args.dry
     if cuda and not torch.cuda.is_available():

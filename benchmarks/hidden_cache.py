@@ -28,6 +28,7 @@ from kvcli.cache import CacheSpec, KVCache, make_cache  # noqa: E402
 from kvcli.cache.hidden import HiddenCache  # noqa: E402
 from kvcli.llama import Llama  # noqa: E402
 from kvcli.perplexity import make_chunks, scored_log_probs, token_nll  # noqa: E402
+from kvcli.attention import Attention  # noqa: E402
 
 MIB = 1024 * 1024
 WIKI = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -40,8 +41,8 @@ def kld(llm: Llama, n_ctx: int, chunks: int, device: str) -> None:
     tokens = tok.encode(text, add_bos=None, parse_special=False)
     inputs, targets = make_chunks(tokens, n_ctx, chunks, tok.bos_id if tok.add_bos else None)
     c = llm.config
-    caches = {"kv f16": make_cache(c, CacheSpec(), n_ctx, device=device)}
-    caches |= {f"hidden {t}": make_cache(c, CacheSpec("hidden", type_h=t), n_ctx, device=device, model=llm.model)
+    caches = {"kv f16": make_cache(c, CacheSpec(), n_ctx, device=device, attention=Attention())}
+    caches |= {f"hidden {t}": make_cache(c, CacheSpec("hidden", type_h=t), n_ctx, device=device, model=llm.model, attention=Attention())
                for t in HIDDEN_TYPES}
     sums = {name: [0.0, 0.0, 0.0] for name in caches}  # KLD sum, NLL sum, count
     t0 = time.perf_counter()
@@ -73,8 +74,8 @@ def sizes(llm: Llama, n_ctx: int) -> None:
 def decode_speed(llm: Llama, depths: list[int], reps: int, device: str) -> None:
     c, n_ctx = llm.config, llm.n_ctx
     g = torch.Generator().manual_seed(0)
-    caches = {"kv f16": make_cache(c, CacheSpec(), n_ctx, device=device),
-              "hidden f16": make_cache(c, CacheSpec("hidden"), n_ctx, device=device, model=llm.model)}
+    caches = {"kv f16": make_cache(c, CacheSpec(), n_ctx, device=device, attention=Attention()),
+              "hidden f16": make_cache(c, CacheSpec("hidden"), n_ctx, device=device, model=llm.model, attention=Attention())}
     fill = max(depths)
     for layer in range(c.n_layers):  # random contents at positions 0..fill-1
         for s in (caches["kv f16"].k, caches["kv f16"].v):

@@ -12,7 +12,7 @@ def __getattr__(name):
 
         return Llama
     if name == "Sampler":
-        from kvcli.generate import Sampler
+        from kvcli.sampler import Sampler
 
         return Sampler
     raise AttributeError(name)

@@ -1,35 +1,37 @@
-"""Attention over what the cache holds: the one dispatcher and its PyTorch reference.
+"""Attention over what the cache holds: the one dispatcher, its PyTorch reference, and the table entries of
+the roles attention owns (kvcli/kernel_table.py: ATTEND, HIDDEN, QUANTIZE).
 
-Every query attends to stored-then-loaded K/V (prefill included), so a lossy cache
-type shows its loss everywhere. The reference reads the cache in chunks of positions, so
-no step holds the whole cache in f32: with flash attention on, an online softmax
-(FlashAttention's recurrence) over the chunks; off, the scores are materialized (they are
-small: one row per query) and V is still read chunk by chunk. A store may keep vectors in
-a rotated space: the query goes into the K store's space and the output comes back out of
-the V store's. The products q.K and p.V of a chunk are the stores' own (Store.scores,
-Store.weighted_sum): q4_0 and q4_hadamard compute them for decode straight from their bytes
-(kvcli/cache/block_products.py, kvcli/cache/int4_gemm.py).
+Every query attends to stored-then-loaded K/V (prefill included), so a lossy cache type shows its loss
+everywhere. The reference reads the cache in chunks of positions, so no step holds the whole cache in f32:
+with flash attention on, an online softmax (FlashAttention's recurrence) over the chunks; off, the scores are
+materialized (they are small: one row per query) and V is still read chunk by chunk. A store may keep vectors
+in a rotated space: the query goes into the K store's space and the output comes back out of the V store's.
+The reference is load + matmul and nothing else: the truth every kernel is tested against.
 
 With a recent window (kvcli/cache/window.py) the query at position i reads its newest positions
 (i-N+1..i) from the window's f16 copy, handed in as `Recent`, and only older ones from the store:
 per query row, so a batched prefill sees exactly what token-by-token decode would.
 
-This is the one dispatcher: `Attention` (the -fa choice) runs the Triton kernels (kvcli.kernels,
-a leaf fed tensors and each store's KernelLayout) where they cover the case on CUDA, and the
-PyTorch reference elsewhere, with the same result; `use_triton` is the switch the stores'
-quantize-on-write asks too. The KV kernel reads the window too (the same per-row split); the
-hidden-state cache's kernel knows none: with one, CUDA runs its reference.
+`Attention` (the -fa choice) asks the kernel table once per cache and shape (decode or batch, one position
+or one per row, the device) and keeps the entry on the cache: on CUDA the Triton kernels (kvcli/kernels/gpu),
+for a CPU decode step the compiled kernels (kvcli/kernels/cpu), elsewhere the reference; `bind` hands each
+store its quantizer the same way.
 """
 
 from __future__ import annotations
 
+import functools
+import importlib
+import importlib.util
 import math
-import os
-from dataclasses import dataclass
 
+import numpy as np
 import torch
 
-from kvcli.kernel_layout import DENSE_KINDS, GGML_KINDS, Kind
+from kvcli import kernel_table as table
+from kvcli.cache.window import Recent
+from kvcli.kernel_table import ATTEND, HIDDEN, QUANTIZE, Entry
+from kvcli.kernels.layout import DENSE_KINDS, GGML_KINDS, DecodeWindow, Kind
 from kvcli.memory import MIB
 
 # f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
@@ -37,153 +39,68 @@ CHUNK_BYTES = 8 * MIB
 MIN_CHUNK = 256
 
 
-def use_triton(t: torch.Tensor) -> bool:
-    """Run the Triton kernels on this tensor's data? A CUDA tensor, and the kernels not turned off with
-    KVCLI_TRITON=0 (which runs the PyTorch reference on the GPU, to show the kernels' gain)."""
-    return t.is_cuda and os.environ.get("KVCLI_TRITON", "1") != "0"
+def device_of(x: torch.Tensor | str | torch.device) -> str:
+    """The kernel table's device for a tensor or a device name: "cuda" or "cpu" (the tests run the CUDA entries on
+    CPU tensors under TRITON_INTERPRET=1 by changing this)."""
+    return "cuda" if (x.is_cuda if torch.is_tensor(x) else torch.device(x).type == "cuda") else "cpu"
 
 
-class Recent:
-    """A batch's f16 window (kvcli/cache/window.py), as attention reads it: k and v (B, Hkv, n, D) f32
-    of positions start..start+n-1 (the batch's last position is start+n-1), in the model's space. The
-    query at position i reads positions max(i - size + 1, start)..i from here, older ones from the store.
-    Rows at their own positions (a (B,) pos at decode, kvcli/cache/window.py `push_rows`): k and v hold each
-    row's whole ring in slot order (n = size); masked (B, 1, 1, n) is True where row b reads no slot, and
-    row b reads the store below lim[b] (B, 1, 1, 1); start and high: the smallest and largest lim. There
-    kv16 is the ring itself, (B, 2 Hkv, n, D) f16, K's heads then V's: a kernel reads it as it is, and k and v
-    are widened from it only when asked for (the reference's path)."""
-
-    def __init__(self, k: torch.Tensor | None, v: torch.Tensor | None, start: int, size: int,
-                 masked: torch.Tensor | None = None, lim: torch.Tensor | None = None, high: int = 0,
-                 kv16: torch.Tensor | None = None):
-        self._k, self._v, self.start, self.size = k, v, start, size
-        self.masked, self.lim, self.high, self.kv16 = masked, lim, high, kv16
-
-    @property
-    def k(self) -> torch.Tensor:
-        if self._k is None:
-            self._widen()
-        return self._k
-
-    @property
-    def v(self) -> torch.Tensor:
-        if self._v is None:
-            self._widen()
-        return self._v
-
-    def _widen(self) -> None:
-        kv = self.kv16.float()
-        h = kv.shape[1] // 2
-        self._k, self._v = kv[:, :h], kv[:, h:]
-
-
-@dataclass(frozen=True)
 class Attention:
     """How caches attend: flash on (online softmax over chunks, the kernels where they apply) or off
     (materialized scores, the reference's path on any device). Caches are built with one and call it."""
 
-    flash: bool = True
+    def __init__(self, flash: bool = True):
+        self.flash = flash
+
+    def __repr__(self) -> str:
+        return f"Attention(flash={self.flash})"
+
+    def bind(self, *stores) -> None:
+        """Hand each store its quantize-on-write kernel (QUANTIZE), chosen once for its device and kind."""
+        for s in stores:
+            layout = s.kernel_layout()
+            s.quantizer = table.choose(QUANTIZE, device_of(s.device), None if layout is None else layout.kind).run
 
     def __call__(self, q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor,
                  recent: Recent | None = None) -> torch.Tensor:
         """q (B, T, H, D) f32 at positions pos..pos+T-1 over a K/V cache -> (B, T, H * D) f32 (pos a (B,)
-        tensor at decode: each sequence at its own, the reference's path); recent: the cache's f16 window
-        for this batch, if it keeps one."""
-        if use_triton(q) and self.flash and not torch.is_tensor(pos) and kernel_covers(q, cache):
-            return attend_triton(q, cache, layer, pos, recent)
-        if self.flash and q.shape[1] == 1 and not q.is_cuda:
-            out = attend_cpu_decode(q, cache, layer, pos, recent)
-            if out is not None:
-                return out
-        return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
+        tensor at decode: each sequence at its own); recent: the cache's f16 window for this batch, if it keeps one."""
+        key = (q.shape[1] == 1, torch.is_tensor(pos), device_of(q), self.flash)
+        run = cache.kernels.get(key)
+        if run is None:
+            run = cache.kernels[key] = self.choose(q, cache, pos).run
+        return run(q, cache, layer, pos, recent)
+
+    def choose(self, q: torch.Tensor, cache, pos) -> Entry:
+        """The ATTEND entry for this cache at this shape (the reference with -fa off, or where a store has no layout)."""
+        k, v = cache.k.kernel_layout(), cache.v.kernel_layout()
+        if not self.flash or k is None or v is None:
+            return _MATERIALIZED
+        return table.choose(ATTEND, device_of(q), (k.kind, v.kind), decode=q.shape[1] == 1,
+                            per_row=torch.is_tensor(pos), head_dim=q.shape[-1], k=k, v=v)
 
     def hidden(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
-        """The same over a hidden-state cache, whose K/V are rebuilt from the stored x (its kernel reads no
-        window: with one, the reference runs)."""
-        if recent is None and use_triton(q) and self.flash and hidden_kernel_covers(q, cache):
-            return attend_hidden_triton(q, cache, layer, pos)
-        return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
+        """The same over a hidden-state cache, whose K/V are rebuilt from the stored x."""
+        h = cache.h.kernel_layout()
+        if not self.flash or h is None:
+            return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
+        block = cache.block_kv[0]
+        entry = table.choose(HIDDEN, device_of(q), h.kind, decode=q.shape[1] == 1, window=recent is not None,
+                             head_dim=q.shape[-1], dense_kv=hasattr(block.wkv, "w"), linear_kv=block.linear_kv)
+        return entry.run(q, cache, layer, pos, recent)
 
 
-def kernel_covers(q: torch.Tensor, cache) -> bool:
-    """Does the Triton attention kernel read this K/V type pair (both publish a layout) at this head size?"""
+def warm_up(cache) -> None:
+    """Load the CPU decode kernel this cache will run (from numba's cache: a fraction of a second; compiled the
+    first time: seconds) now, with the model, not in the first token's time."""
     k, v = cache.k.kernel_layout(), cache.v.kernel_layout()
     if k is None or v is None:
-        return False
-    return (k.kind in DENSE_KINDS and v.kind in DENSE_KINDS) or q.shape[-1] % 32 == 0
-
-
-def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None,
-                  **launch) -> torch.Tensor:
-    """attend_reference's result through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1);
-    launch: num_splits, block_n. The query and the window go into K's (V's) storage space and the
-    output out of V's here."""
-    from kvcli.kernels.attention import StoreTensors, Window, attend_kernel  # imports triton: only where kernels run
-
-    k = StoreTensors(cache.k.kernel_layout(), *cache.k.kernel_operands(layer))
-    v = StoreTensors(cache.v.kernel_layout(), *cache.v.kernel_operands(layer))
-    window = None if recent is None else Window(cache.k.to_storage(recent.k), cache.v.to_storage(recent.v),
-                                                recent.start, recent.size)
-    out = cache.v.from_storage(attend_kernel(cache.k.to_storage(q.float()), k, v, pos, window=window,
-                                             **launch))  # (B, T, H, D)
-    return out.flatten(2)
-
-
-_CPU_KERNELS: dict = {}  # (K store type, V store type, head size) -> the kernel module or None
-
-
-def cpu_decode_kernel(cache):
-    """The CPU decode kernel that reads this K/V pair (its module), or None: q4_hadamard keys and values
-    (kvcli/cache/hadamard_decode.py) or dense or ggml block ones at a head size it takes (kvcli/cache/dense_decode.py),
-    numba importable. Asked every layer at decode: decided once per pair of store types."""
-    key = (type(cache.k), type(cache.v), cache.k.head_dim)
-    if key not in _CPU_KERNELS:
-        _CPU_KERNELS[key] = _pick_cpu_kernel(cache.k, cache.v)
-    return _CPU_KERNELS[key]
-
-
-def _pick_cpu_kernel(k_store, v_store):
-    k, v = k_store.kernel_layout(), v_store.kernel_layout()
-    if k is None or v is None:
-        return None
-    # imported here: the stores import this module, and numba loads only where a kernel may run
-    if k.kind == Kind.HADAMARD_KEYS and v.kind == Kind.HADAMARD_VALUES:
-        from kvcli.cache import hadamard_decode as kernel
-    elif k.kind in DENSE_KINDS + GGML_KINDS and v.kind in DENSE_KINDS + GGML_KINDS:
-        from kvcli.cache import dense_decode as kernel
-
-        if not (kernel.covers(k_store) and kernel.covers(v_store)):
-            return None
-    else:
-        return None
-    return kernel if kernel.available() else None
-
-
-def attend_cpu_decode(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor,
-                      recent: Recent | None = None) -> torch.Tensor | None:
-    """attend_reference's result (B, 1, H * D) for one query token per sequence (q (B, 1, H, D)) through a CPU
-    decode kernel, or None where none reads this cache (another type pair, or a case its `decode` declines)."""
-    kernel = cpu_decode_kernel(cache)
-    return None if kernel is None else kernel.decode(q, cache, layer, pos, recent)
-
-
-def hidden_kernel_covers(q: torch.Tensor, cache) -> bool:
-    """The hidden-state decode kernel: T = 1, dense x, a power-of-two head size >= 32 (tl.dot needs 16 a side),
-    K = RoPE(x Wk) as Llama's (no bias, head norm or NEOX pairs: qwen2/qwen3 run the reference)."""
-    D, h, block = q.shape[-1], cache.h.kernel_layout(), cache.model.blocks[0]
-    dense = hasattr(block.wkv, "w")  # the kernel reads a plain K/V weight (packed forms: CPU only)
-    return (dense and block.linear_kv and q.shape[1] == 1 and h is not None and h.kind in DENSE_KINDS
-            and D >= 32 and D & (D - 1) == 0)
-
-
-def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, **launch) -> torch.Tensor:
-    """attend_reference's result over a hidden cache through the Triton decode kernel; launch:
-    num_splits, block_n, block_e."""
-    from kvcli.kernels.hidden import attend_hidden_kernel  # imports triton: only where kernels run
-
-    block = cache.model.blocks[layer]
-    cos, sin = cache.cos_sin()
-    return attend_hidden_kernel(q, cache.h.data[layer], block.wkv.w, cos, sin, pos, **launch)
+        return
+    entry = table.choose(ATTEND, "cpu", (k.kind, v.kind), decode=True, per_row=False, head_dim=cache.k.head_dim,
+                         k=k, v=v)
+    module = getattr(entry.run, "module", None)
+    if module is not None:
+        _cpu_module(module).warm_up(k, v)
 
 
 def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, flash: bool = True,
@@ -273,3 +190,212 @@ def _heads_out(out: torch.Tensor, T: int) -> torch.Tensor:
     """(B, Hkv, G*T, D) in the model's space -> (B, T, H*D)."""
     B, Hkv, GT, D = out.shape
     return out.reshape(B, Hkv, GT // T, T, D).permute(0, 3, 1, 2, 4).reshape(B, T, -1)
+
+
+# ---- the table's entries for attention's roles ----
+def _reference(q, cache, layer, pos, recent):
+    return attend_reference(q, cache, layer, pos, flash=True, recent=recent)
+
+
+def _materialized(q, cache, layer, pos, recent):
+    return attend_reference(q, cache, layer, pos, flash=False, recent=recent)
+
+
+_MATERIALIZED = Entry(ATTEND, "any", frozenset(), "kvcli/attention.py attend_reference (-fa off)", _materialized)
+
+
+def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None,
+                  **launch) -> torch.Tensor:
+    """attend_reference's result through the Triton kernel (CUDA, or CPU under TRITON_INTERPRET=1);
+    launch: num_splits, block_n. The query and the window go into K's (V's) storage space and the
+    output out of V's here."""
+    from kvcli.kernels.gpu.attention import StoreTensors, Window, attend_kernel  # imports triton: only where kernels run
+
+    k = StoreTensors(cache.k.kernel_layout(), *cache.k.kernel_operands(layer))
+    v = StoreTensors(cache.v.kernel_layout(), *cache.v.kernel_operands(layer))
+    window = None if recent is None else Window(cache.k.to_storage(recent.k), cache.v.to_storage(recent.v),
+                                                recent.start, recent.size)
+    out = cache.v.from_storage(attend_kernel(cache.k.to_storage(q.float()), k, v, pos, window=window,
+                                             **launch))  # (B, T, H, D)
+    return out.flatten(2)
+
+
+def _triton_covers(per_row: bool, head_dim: int, k, v, **_) -> bool:
+    """The Triton kernel reads one position per batch (not each row's own) and blocks of 32 at any head size a
+    block type divides (dense types: any)."""
+    return not per_row and ((k.kind in DENSE_KINDS and v.kind in DENSE_KINDS) or head_dim % 32 == 0)
+
+
+def attend_hidden_triton(q: torch.Tensor, cache, layer: int, pos: int, recent=None, **launch) -> torch.Tensor:
+    """attend_reference's result over a hidden cache through the Triton decode kernel; launch:
+    num_splits, block_n, block_e."""
+    from kvcli.kernels.gpu.hidden import attend_hidden_kernel  # imports triton: only where kernels run
+
+    block = cache.block_kv[layer]
+    cos, sin = cache.cos_sin()
+    return attend_hidden_kernel(q, cache.h.data[layer], block.wkv.w, cos, sin, pos, **launch)
+
+
+def _hidden_covers(decode: bool, window: bool, head_dim: int, dense_kv: bool, linear_kv: bool) -> bool:
+    """The hidden-state decode kernel: T = 1, no window, a plain K/V weight (packed forms: CPU only), K = RoPE(x Wk)
+    as Llama's (no bias, head norm or NEOX pairs: qwen2/qwen3 run the reference), a power-of-two head size >= 32
+    (tl.dot needs 16 a side)."""
+    return decode and not window and dense_kv and linear_kv and head_dim >= 32 and head_dim & (head_dim - 1) == 0
+
+
+def _triton_ready() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+@functools.cache
+def _cpu_module(name: str):
+    """A CPU kernel module, imported where it first runs (numba loads only there)."""
+    return importlib.import_module(f"kvcli.kernels.cpu.{name}")
+
+
+def _numba_ready() -> bool:
+    return _cpu_module("compile").available()
+
+
+def decode_reads(B: int, pos: int | torch.Tensor, recent: Recent | None) -> tuple[np.ndarray, DecodeWindow | None]:
+    """What a decode step's row b reads, as the CPU kernels take it: the store below lim[b] ((B,) int64) and the
+    unmasked slots of the window (kvcli/kernels/layout.py), as attend_reference splits them."""
+    rows = torch.is_tensor(pos)
+    if recent is None:
+        return ((pos + 1).numpy() if rows else np.full(B, pos + 1, np.int64)), None
+    if recent.masked is not None:  # the ring as it is (kv16), or k and v as given (a test's rows)
+        kv = recent.kv16 if recent.kv16 is not None else torch.cat([recent.k, recent.v], 1).half()
+        return recent.lim.view(B).numpy(), DecodeWindow(kv.view(torch.uint16).numpy(), recent.masked.view(B, -1).numpy())
+    # one position for every row: the window is positions recent.start..pos (all read), widened from its f16
+    kv = torch.cat([recent.k, recent.v], 1).half().view(torch.uint16)
+    return (np.full(B, max(pos - recent.size + 1, recent.start), np.int64),
+            DecodeWindow(kv.numpy(), np.zeros((B, kv.shape[2]), np.bool_)))
+
+
+def _cpu_decode(module: str):
+    """An ATTEND entry's run over a CPU decode kernel module (its `attend`, kvcli/kernels/layout.py's signature)."""
+
+    def run(q, cache, layer, pos, recent):
+        B, _, H, D = q.shape
+        Hkv = cache.k.n_heads
+        lim, window = decode_reads(B, pos, recent)
+        out = _cpu_module(module).attend(q.reshape(B, Hkv, H // Hkv, D), cache.k.operands(layer),
+                                         cache.v.operands(layer), lim, window)  # (B, Hkv, G, D): T = 1
+        return out.view(B, 1, H * D)
+
+    run.module = module
+    return run
+
+
+def _pairs(kinds) -> frozenset:
+    return frozenset((a, b) for a in kinds for b in kinds)
+
+
+def _decode_covers(decode: bool, head_dim: int, k, v, **_) -> bool:
+    """Decode steps; the dense types' fixed-order sums take head sizes in multiples of 16."""
+    dense = k.kind in DENSE_KINDS or v.kind in DENSE_KINDS
+    return decode and (not dense or head_dim % 16 == 0)
+
+
+def _tq_covers(decode: bool, k, v, **_) -> bool:
+    """Decode steps over uniform codebooks in the tiles torch's int4 GEMM packs on this CPU (kvcli/kernels/cpu/int4_tiles.py)."""
+    from kvcli.kernels.cpu.int4_tiles import tile_width
+
+    T = tile_width()
+    uniform = all(lay.table == tuple(float(u + lay.table[0]) for u in range(len(lay.table))) for lay in (k, v))
+    return decode and uniform and T is not None and k.tile == T and v.tile == T
+
+
+_ALL_KINDS = tuple(range(13))
+_BLOCK_KINDS = tuple(k for k in DENSE_KINDS + GGML_KINDS if k != Kind.IQ4_NL)
+_ROTATED = (Kind.HADAMARD_KEYS, Kind.HADAMARD_VALUES)
+_TQ = (Kind.TQ_KEYS, Kind.TQ_VALUES)
+for _entry in (
+    Entry(ATTEND, "cuda", _pairs(_ALL_KINDS), "kvcli/kernels/gpu/attention.py (Triton)", attend_triton,
+          covers=_triton_covers, ready=_triton_ready, why="one kernel over the codes, prefill and decode", tol=1e-4),
+    Entry(ATTEND, "cpu", _pairs(_BLOCK_KINDS), "kvcli/kernels/cpu/attention.py (LLVM vectors)",
+          _cpu_decode("attention"), covers=_decode_covers, ready=_numba_ready,
+          why="decode: one compiled pass, blocks widened as they are read"),
+    Entry(ATTEND, "cpu", _pairs(_BLOCK_KINDS + (Kind.IQ4_NL,)) - _pairs(_BLOCK_KINDS),
+          "kvcli/kernels/cpu/attention.py (x86 byte shuffle)", _cpu_decode("attention"), isa=table.X86,
+          covers=_decode_covers, ready=_numba_ready, why="decode: iq4_nl's codebook by a byte shuffle"),
+    Entry(ATTEND, "cpu", frozenset({_ROTATED}), "kvcli/kernels/cpu/attention_rotated.py (LLVM vectors)",
+          _cpu_decode("attention_rotated"), covers=_decode_covers, ready=_numba_ready,
+          why="decode: the codes read where they lie, both rotations as fast Walsh-Hadamard transforms"),
+    Entry(ATTEND, "cpu", frozenset({_TQ}), "kvcli/kernels/cpu/attention_tq.py (torch int4 GEMM)",
+          _cpu_decode("attention_tq"), covers=_tq_covers, ready=lambda: _cpu_module("int4_tiles").tile_width() is not None,
+          why="decode: products on the packed codes (bf16 operands)", tol=2**-4),
+    Entry(HIDDEN, "cuda", frozenset(DENSE_KINDS), "kvcli/kernels/gpu/hidden.py (Triton)", attend_hidden_triton,
+          covers=_hidden_covers, ready=_triton_ready, why="decode: K/V rebuilt from x in registers"),
+):
+    table.register(_entry)
+table.register(Entry(ATTEND, "any", frozenset(), "kvcli/attention.py attend_reference", _reference), reference=True)
+table.register(Entry(HIDDEN, "any", frozenset(), "kvcli/attention.py attend_reference", _reference), reference=True)
+
+
+# QUANTIZE: run(store, y (B, T, H, D) f32) -> the store's codes before it lays them out (Store.quantize_reference's)
+def _cpu_hadamard_codes(store, y):
+    return _cpu_module("quantize").quantize(y, store.scale_grid_f32)
+
+
+def _gpu_hadamard_codes(store, y):
+    from kvcli.kernels.gpu.quantize import quantize_codes  # imports triton: only where kernels run
+
+    return quantize_codes(store.kernel_layout(), y)
+
+
+def _gpu_tq_codes(store, y):
+    from kvcli.kernels.gpu.quantize import quantize_tq  # imports triton: only where kernels run
+
+    return quantize_tq(store.kernel_layout(), y)
+
+
+def _gpu_blocks(store, y):
+    """A ggml type's blocks (B, Hkv, T, row_bytes), as quantize_reference lays them."""
+    from kvcli.kernels.gpu.quantize import quantize_into  # imports triton: only where kernels run
+
+    B, T, H, _ = y.shape
+    out = torch.empty(B, H, T, store.row_bytes, dtype=torch.uint8, device=y.device)
+    quantize_into(store.kernel_layout(), y, out, 0)
+    return out
+
+
+for _entry in (
+    Entry(QUANTIZE, "cpu", frozenset(_ROTATED), "kvcli/kernels/cpu/quantize.py (numba)", _cpu_hadamard_codes,
+          ready=_numba_ready, why="the scale search block by block, no (grid, blocks, 32) temporaries"),
+    Entry(QUANTIZE, "cuda", frozenset(_ROTATED), "kvcli/kernels/gpu/quantize.py (Triton)", _gpu_hadamard_codes,
+          ready=_triton_ready),
+    Entry(QUANTIZE, "cuda", frozenset(_TQ), "kvcli/kernels/gpu/quantize.py (Triton)", _gpu_tq_codes, ready=_triton_ready),
+    Entry(QUANTIZE, "cuda", frozenset(GGML_KINDS), "kvcli/kernels/gpu/quantize.py (Triton)", _gpu_blocks,
+          ready=_triton_ready, why="byte-exact with ggml's quantizers"),
+):
+    table.register(_entry)
+table.register(Entry(QUANTIZE, "any", frozenset(), "the store's quantize_reference (torch)",
+                     lambda store, y: store.quantize_reference(y)), reference=True)
+
+
+def kernel_lines(head_dim: int = 64, device: str = "cpu") -> list[str]:
+    """`kvcli info`'s lines on the cache kernels: for each cache type (as both K and V), the entries that run a decode
+    step, a prompt's batch and its writes on this machine, then the entries that do not run here and why."""
+    from kvcli.cache import STORAGE_TYPES  # every type registered
+
+    lines = []
+    for name, cls in STORAGE_TYPES.items():
+        try:
+            k, v = (cls(1, 1, 1, 1, head_dim, keys=keys).kernel_layout() for keys in (True, False))
+        except Exception as e:  # noqa: BLE001 - a type that cannot take this head size says so
+            lines.append(f"  {name:12s} not at head size {head_dim}: {e}")
+            continue
+        if k is None or v is None:
+            lines.append(f"  {name:12s} decode and prompt: {table.reference(ATTEND).name}; writes: "
+                         f"{table.reference(QUANTIZE).name}")
+            continue
+        shape = dict(per_row=False, head_dim=head_dim, k=k, v=v)
+        decode = table.choose(ATTEND, device, (k.kind, v.kind), decode=True, **shape)
+        prompt = table.choose(ATTEND, device, (k.kind, v.kind), decode=False, **shape)
+        write = table.choose(QUANTIZE, device, k.kind)
+        lines.append(f"  {name:12s} decode: {decode.name}; prompt: {prompt.name}; writes: {write.name}")
+    idle = dict.fromkeys(f"  not here: {e.name}, {e.role} ({table.why_not(e, device)})"
+                         for e in table.entries(ATTEND) + table.entries(QUANTIZE) + table.entries(HIDDEN)
+                         if e.device != "any" and table.why_not(e, device))
+    return lines + list(idle)

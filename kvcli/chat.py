@@ -9,7 +9,8 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvcli.errors import KvcliError
-from kvcli.generate import Sampler, Timings
+from kvcli.sampler import Sampler
+from kvcli.timings import Timings
 
 
 def _write(text: str) -> None:

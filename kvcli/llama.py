@@ -19,17 +19,18 @@ from typing import Callable, Iterator, Sequence
 
 import torch
 
-from kvcli.attention import Attention, cpu_decode_kernel
+from kvcli.attention import Attention, warm_up as attention_warm_up
 from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
-from kvcli.generate import Sampler, Timings
+from kvcli.sampler import Sampler
+from kvcli.timings import Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
 from kvcli.weights import WEIGHTS, load, resident_form
 from kvcli.weights import warm_up as weights_warm_up
-from kvcli.rms_norm import rms_norm
+from kvcli.weights import rms_norm
 from kvcli.memory import check_fits, return_freed_memory
 from kvcli.model import Transformer, dtype_from_name
-from kvcli.models import pull_default
+from kvcli.default_model import pull_default
 from kvcli.shapes import random_forms, shape_config, synthetic_types, weight_bytes
 
 
@@ -71,7 +72,7 @@ class Llama:
         """Load the model and allocate its cache.
 
         model_path: a GGUF file; left out, the default model (SmolLM2-135M-Instruct Q4_1) from the
-            models folder ($KVCLI_MODELS, kvcli.models.models_dir), fetched there on first use.
+            models folder ($KVCLI_MODELS, kvcli.default_model.models_dir), fetched there on first use.
         ctx_size: cache cells per sequence (0: the model's trained context).
         dtype: compute dtype, f32, f16 or bf16: of the activations, and of matrices kept dense
             under native weights (a type with no packed form).
@@ -158,9 +159,8 @@ class Llama:
         del tensors
         return_freed_memory()  # the load's freed temporaries go back
         self.cache = self.new_cache(self.cache_spec)
-        kernel = cpu_decode_kernel(self.cache) if device == "cpu" and self.cache_spec.mode == "kv" else None
-        if kernel is not None:
-            kernel.warm_up(self.cache)  # the kernel loads with the model, not in the first token's time
+        if device == "cpu" and self.cache_spec.mode == "kv":
+            attention_warm_up(self.cache)  # the decode kernel loads with the model, not in the first token's time
         if device == "cpu":
             weights_warm_up(self.model, rows=1)  # so do decode's product kernel and the norm's pass
             rms_norm(torch.zeros(1, c.n_embd), self.model.output_norm, c.rms_eps)
@@ -274,8 +274,8 @@ class Llama:
         (-1: until end of generation or a full context). Stops after an end-of-generation token
         (yielded) unless stop_at_eog is False.
 
-        prompt: text, tokenized as the CLI's prompt, or token ids.  sampler: kvcli.generate.Sampler
-        (default: llama.cpp's, temp 0.8).  timings: a kvcli.generate.Timings to fill.
+        prompt: text, tokenized as the CLI's prompt, or token ids.  sampler: kvcli.sampler.Sampler
+        (default: llama.cpp's, temp 0.8).  timings: a kvcli.timings.Timings to fill.
         Raises KvcliError here, before the first id: an empty prompt, one past the context, an id
         outside the vocabulary."""
         ids = self._prompt_ids(prompt)

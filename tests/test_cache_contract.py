@@ -24,6 +24,7 @@ from kvcli.cache.base import Store
 from kvcli.cache.ggml_blocks import GgmlBlockStore, _f16_at, _f16_bytes, _round_to_int8, _signed_absmax
 from kvcli.errors import KvcliError
 from kvcli.memory import MIB
+from kvcli.attention import Attention
 
 L, B, HKV, D = 2, 2, 3, 64
 TYPES = list(STORAGE_TYPES)
@@ -73,7 +74,7 @@ def check_bytes(cls: type[Store]) -> None:
         store = cls(L, B, HKV, n_ctx, D)
         assert store.nbytes() == cls.nbytes_for(L, B, HKV * D, n_ctx)
         spec = CacheSpec("kv", cls.name, cls.name)  # with the type's default recent window
-        cache = KVCache(L, B, HKV, n_ctx, D, cls.name, cls.name, window=spec.window)
+        cache = KVCache(L, B, HKV, n_ctx, D, cls.name, cls.name, window=spec.window, attention=Attention())
         planned = cache_bytes(_config(), spec, n_ctx, B)
         assert cache.nbytes() == planned
         printed = float(re.search(r"size = +([\d.]+) MiB", cache.describe()).group(1))
@@ -148,27 +149,25 @@ def check_triton(cls: type[Store]) -> None:
         return
     pytest.importorskip("triton", reason="triton is not installed; the kernels need it")
     from kvcli.attention import attend_reference, attend_triton
-    from kvcli.cache import block_products
+    from kvcli.kernel_table import QUANTIZE, choose
 
     n, hkv = 24, 2
     x = _vectors(n, seed=9)[:1, :, :hkv]  # (1, n, 2, D)
-    module = sys.modules[cls.__module__]
     for keys in (True, False):
         cpu, kernel = cls(1, 1, hkv, n, D, keys=keys), cls(1, 1, hkv, n, D, keys=keys)
-        with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+        kernel.quantizer = choose(QUANTIZE, "cuda", kernel.kernel_layout().kind).run  # the CUDA entry (or reference)
+        with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)  # masked-out lanes the interpreter still computes
             _fill(cpu, x, layer=0)
-            mp.setattr(module, "use_triton", lambda t: True)
             _fill(kernel, x, layer=0)
         for name, t in vars(cpu).items():
             if isinstance(t, torch.Tensor):
                 assert torch.equal(t, getattr(kernel, name)), f"{cls.name} keys={keys}: {name} differs"
-    cache = KVCache(1, 1, hkv, n, D, cls.name, cls.name)
+    cache = KVCache(1, 1, hkv, n, D, cls.name, cls.name, attention=Attention())
     cache.store(0, x, _vectors(n, seed=10)[:1, :, :hkv], 0)
     q = torch.randn(1, 3, 2 * hkv, D, generator=torch.Generator().manual_seed(11))
-    with pytest.MonkeyPatch.context() as mp, warnings.catch_warnings():
+    with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
-        mp.setattr(block_products, "MAX_ROWS", 0)  # the exact (dequantizing) reference
         out, ref = attend_triton(q, cache, 0, n - 3, block_n=16), attend_reference(q, cache, 0, n - 3)
     torch.testing.assert_close(out, ref, rtol=1e-4, atol=1e-5)
 

@@ -13,12 +13,13 @@ import torch
 from typer.testing import CliRunner
 
 import kvcli.attention
-from kvcli.cache import STORAGE_TYPES, CacheSpec, HiddenCache, KVCache, block_products, cache_bytes
+from kvcli.cache import STORAGE_TYPES, CacheSpec, HiddenCache, KVCache, cache_bytes
 from kvcli.cache.ggml_blocks import GGML_BLOCKS
 from kvcli.cache.window import Ring
 from kvcli.cli import app
 from kvcli.memory import MIB
 from kvcli.sweep import parse_sweep
+from kvcli.attention import Attention
 
 from cli_checks import assert_clean_error
 
@@ -64,7 +65,7 @@ def _spy(cache: KVCache, calls: list) -> None:
 @pytest.mark.parametrize("types", [("q4_0", "q4_0"), ("q8_0", "q4_1")])
 def test_each_position_is_stored_once_by_the_time_it_leaves(types):
     N, n = 5, 34
-    cache = KVCache(2, B, HKV, 40, D, *types, window=N)
+    cache = KVCache(2, B, HKV, 40, D, *types, window=N, attention=Attention())
     calls = []
     _spy(cache, calls)
     k, v = _vectors(n, 1), _vectors(n, 2)
@@ -98,8 +99,8 @@ def test_decode_writes_in_batches_the_bytes_of_one_position_at_a_time(name):
     g = torch.Generator().manual_seed(12)
     k, v = torch.randn(B, n, HKV, D64, generator=g), torch.randn(B, n, HKV, D64, generator=g)
     k16, v16 = k.half().float(), v.half().float()
-    batched = KVCache(1, B, HKV, n, D64, name, name, window=N)
-    one = KVCache(1, B, HKV, n, D64, name, name)  # no window: given each position as it leaves
+    batched = KVCache(1, B, HKV, n, D64, name, name, window=N, attention=Attention())
+    one = KVCache(1, B, HKV, n, D64, name, name, attention=Attention())  # no window: given each position as it leaves
     batched.store(0, k[:, :12], v[:, :12], 0)
     one.store(0, k16[:, : 12 - N], v16[:, : 12 - N], 0)  # the prefill's leaving positions, one batch
     for pos in range(12, n):
@@ -111,7 +112,7 @@ def test_decode_writes_in_batches_the_bytes_of_one_position_at_a_time(name):
 
 def test_no_window_writes_each_batch_as_it_comes():
     """Window 0 (llama.cpp's types by default): every batch goes into the store at once, unrounded."""
-    cache = KVCache(1, B, HKV, 40, D, "q8_0", "q8_0")
+    cache = KVCache(1, B, HKV, 40, D, "q8_0", "q8_0", attention=Attention())
     calls = []
     _spy(cache, calls)
     k = _vectors(12, 3)
@@ -138,7 +139,7 @@ def _expected(q, k16, v16, kq, vq, pos, lims):
 def _dequantized(types, k16, v16):
     """What the stores give back for the f16-rounded vectors (B, n, Hkv, D): the values read below a row's limit."""
     n = k16.shape[1]
-    plain = KVCache(1, B, HKV, n, D, *types)
+    plain = KVCache(1, B, HKV, n, D, *types, attention=Attention())
     plain.store(0, k16, v16, 0)
     return [s.from_storage(s.load(0, 0, n)).transpose(1, 2) for s in (plain.k, plain.v)]
 
@@ -147,7 +148,6 @@ def _dequantized(types, k16, v16):
 @pytest.mark.parametrize("small_chunks", [False, True])
 @pytest.mark.parametrize("types", [("q4_0", "q4_0"), ("q8_0", "q4_1")])
 def test_each_query_reads_its_window_in_f16(monkeypatch, types, flash, small_chunks):
-    monkeypatch.setattr(block_products, "MAX_ROWS", 0)  # the exact (dequantizing) products, not decode's bf16 ones
     if small_chunks:  # many chunks of the store: the online softmax and the materialized path over them
         monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 4)
         monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 0)
@@ -166,11 +166,10 @@ def test_each_query_reads_its_window_in_f16(monkeypatch, types, flash, small_chu
 def test_a_rewind_reads_what_the_ring_no_longer_holds_from_the_store(monkeypatch):
     """A chat keeps a common prefix and re-evaluates from inside it: positions whose f16 copy the ring
     has overwritten left the window before, so they are read from the store, never from stale slots."""
-    monkeypatch.setattr(block_products, "MAX_ROWS", 0)
     N, types = 5, ("q4_0", "q4_0")
     k, v, q = _vectors(33, 7), _vectors(33, 8), torch.randn(B, 33, 2 * HKV, D, generator=torch.Generator().manual_seed(9))
     k2, v2 = _vectors(33, 10), _vectors(33, 11)  # the new timeline from position 25
-    cache = KVCache(1, B, HKV, 40, D, *types, window=N)
+    cache = KVCache(1, B, HKV, 40, D, *types, window=N, attention=Attention())
     for pos, T in [(0, 20), *((p, 1) for p in range(20, 30))]:
         cache.store(0, k[:, pos : pos + T], v[:, pos : pos + T], pos)
     k[:, 25:], v[:, 25:] = k2[:, 25:], v2[:, 25:]
@@ -298,7 +297,7 @@ def test_bytes_count_the_window(tiny64):
     from types import SimpleNamespace
 
     L, n_ctx, N, kv = 3, 100, 16, HKV * D
-    cache = KVCache(L, B, HKV, n_ctx, D, "q4_0", "q8_0", window=N)
+    cache = KVCache(L, B, HKV, n_ctx, D, "q4_0", "q8_0", window=N, attention=Attention())
     ring = 2 * L * B * N * kv * 2  # K and V, f16
     assert cache.window_nbytes() == ring == Ring.nbytes_for(L, B, 2 * kv, N)
     assert cache.nbytes() == cache.k.nbytes() + cache.v.nbytes() + ring
@@ -377,26 +376,19 @@ def test_bad_window_lists_give_one_line(tiny64):
 
 
 def test_a_window_goes_to_the_kv_kernel_not_the_hidden_one(monkeypatch):
-    """With a window the KV dispatcher hands the Triton kernel the window (it reads it: tests/test_kernels.py
-    compares it with the reference); the hidden-state cache's kernel reads none, so there the reference runs."""
-    ran = []
+    """With a window the table's CUDA attention entry (the Triton kernel, run by the interpreter on CPU tensors) reads
+    the window (tests/test_kernels.py compares it with the reference); the hidden-state cache's kernel reads none,
+    so there the table picks the reference."""
+    from kvcli import kernel_table
+    from tests.triton_cpu import cuda_entries_on_cpu
 
-    def kernel(q, cache, layer, pos, recent=None, **launch):  # the kernel's result is the reference's
-        ran.append(recent)
-        return kvcli.attention.attend_reference(q, cache, layer, pos, recent=recent)
-
-    def hidden_kernel(*args, **kwargs):
-        raise AssertionError("the hidden-state kernel ran with a window")
-
-    cache = KVCache(1, B, HKV, 16, D, "q8_0", "q8_0", window=4)
+    cache = KVCache(1, B, HKV, 16, D, "q8_0", "q8_0", window=4, attention=Attention())
     k, q = _vectors(6, 12), torch.randn(B, 6, 2 * HKV, D, generator=torch.Generator().manual_seed(13))
     ref = cache.attention(0, q, k, k, None, 0)
-    monkeypatch.setattr(kvcli.attention, "use_triton", lambda t: True)
-    monkeypatch.setattr(kvcli.attention, "attend_triton", kernel)
-    monkeypatch.setattr(kvcli.attention, "attend_hidden_triton", hidden_kernel)
-    cache = KVCache(1, B, HKV, 16, D, "q8_0", "q8_0", window=4)
-    torch.testing.assert_close(cache.attention(0, q, k, k, None, 0), ref, rtol=0, atol=0)
-    assert len(ran) == 1 and ran[0] is not None and ran[0].size == 4
-    recent = cache.store(0, k[:, :1], k[:, :1], 0)
-    assert recent is not None
-    cache.attend.hidden(q[:, :1], cache, 0, 0, recent)  # the hidden-state path: the reference, not its kernel
+    cuda_entries_on_cpu(monkeypatch)
+    cache = KVCache(1, B, HKV, 16, D, "q8_0", "q8_0", window=4, attention=Attention())
+    torch.testing.assert_close(cache.attention(0, q, k, k, None, 0), ref, rtol=1e-4, atol=1e-5)
+    assert cache.kernels[(False, False, "cuda", True)] is kvcli.attention.attend_triton
+    hidden = kernel_table.choose(kernel_table.HIDDEN, "cuda", 1, decode=True, window=True, head_dim=32,
+                                 dense_kv=True, linear_kv=True)
+    assert hidden is kernel_table.reference(kernel_table.HIDDEN)

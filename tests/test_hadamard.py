@@ -3,10 +3,12 @@
 import pytest
 import torch
 
-from kvcli.cache import KVCache, hadamard, hadamard_quantize, resolve_type
+from kvcli.cache import KVCache, hadamard, resolve_type
+from kvcli.kernels.cpu import quantize as hadamard_quantize
 from kvcli.cache.ggml_blocks import Q4_0Store
 from kvcli.cache.hadamard import N_SINK, HadamardQ4Store, quantize_q4_mse, rotation
 from kvcli.llama import Llama
+from kvcli.attention import Attention
 from tiny import make_hf_model, write_gguf
 
 
@@ -39,7 +41,7 @@ def test_compiled_scale_search_matches_torch():
     y[0, 1, 0, :32] = torch.tensor([1.0, -1.0] * 16)  # the largest magnitude tied: the first is m
     y[1] *= 1e-30
     y[2] *= 1e20
-    u, d = hadamard_quantize.quantize(y, hadamard._SCALE_GRID_F32)
+    u, d = hadamard_quantize.quantize(y, HadamardQ4Store.scale_grid_f32)
     u_ref, d_ref = hadamard.quantize_vectors(y)
     assert u.shape == u_ref.shape and d.shape == d_ref.shape and u.dtype == torch.uint8
     differ = (u != u_ref).view(-1, 32).any(-1) | (d != d_ref).view(-1)
@@ -47,7 +49,7 @@ def test_compiled_scale_search_matches_torch():
     err = ((y.view(-1, 32) - d.view(-1, 1) * (u.view(-1, 32).float() - 8)) ** 2).sum(-1)
     err_ref = ((y.view(-1, 32) - d_ref.view(-1, 1) * (u_ref.view(-1, 32).float() - 8)) ** 2).sum(-1)
     assert torch.allclose(err, err_ref, rtol=1e-5, atol=0)
-    one = hadamard_quantize.quantize(y[3:4, 5:6], hadamard._SCALE_GRID_F32)
+    one = hadamard_quantize.quantize(y[3:4, 5:6], HadamardQ4Store.scale_grid_f32)
     assert torch.equal(one[0], u[3:4, 5:6]) and torch.equal(one[1], d[3:4, 5:6])
 
 
@@ -78,31 +80,6 @@ def test_round_trip_in_rotated_space_sinks_exactish(keys, tile):
     assert torch.allclose(back[:, :N_SINK], x[:, :N_SINK], atol=1e-2)  # sinks: f16
     rel = (back - x).norm() / x.norm()
     assert rel < 0.05, rel
-
-
-@pytest.mark.parametrize("tile", [32, 64])
-@pytest.mark.parametrize("D", [32, 64, 128])
-def test_short_decode_products_from_the_codes_equal_the_dequantized_ones(monkeypatch, D, tile):
-    """Below GEMM_MIN_POSITIONS (and wherever the int4 GEMM does not apply) decode scores and weighted sums
-    come from the codes with the scales kept out (`_code_scores`, `_code_weighted_sum`): equal to q @ load().T
-    and p @ load() to f32 rounding, for ranges inside and past the sinks, within and across tiles."""
-    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**6, False: 10**6})
-    B, H, n, R = 2, 3, 141, 5
-    g = torch.Generator().manual_seed(D + tile)
-    k_store, v_store = (resolve_type("q4_hadamard")(1, B, H, 160, D, keys=keys, tile=tile) for keys in (True, False))
-    x = torch.randn(B, n, H, D, generator=g) + 1.0
-    for store, y in ((k_store, x), (v_store, x.flip(1))):
-        store.store(0, y[:, : n - 2], 0)
-        for pos in (n - 2, n - 1):  # decode writes: one nibble per byte
-            store.store(0, y[:, pos : pos + 1], pos)
-    q = k_store.to_storage(torch.randn(B, H, R, D, generator=g))
-    p = torch.softmax(torch.randn(B, H, R, n, generator=g) * 3, -1)
-    for start, end in [(0, n), (0, 3), (2, 9), (17, n), (64, 130), (70, 71)]:
-        s_ref = q @ k_store.load(0, start, end).transpose(-1, -2)
-        torch.testing.assert_close(k_store.scores(0, q, start, end), s_ref, rtol=1e-5, atol=1e-5 * s_ref.abs().max().item())
-        ref = p[..., start:end] @ v_store.load(0, start, end)
-        out = v_store.weighted_sum(0, p[..., start:end], start, end)
-        torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-5 * ref.abs().max().item())
 
 
 def test_flash_on_off_and_chunked_equal(monkeypatch, tmp_path):
@@ -137,7 +114,7 @@ def test_hadamard_closer_than_plain_q4_0(tmp_path):
 
 
 def test_kv_cache_describe_counts_all_bytes():
-    cache = KVCache(2, 1, 3, 128, 64, "q4_hadamard", "q8_0")
+    cache = KVCache(2, 1, 3, 128, 64, "q4_hadamard", "q8_0", attention=Attention())
     assert cache.nbytes() == KVCache.bytes_needed(2, 1, 3 * 64, 128, "q4_hadamard", "q8_0")
     assert "K (q4_hadamard)" in cache.describe() and "V (q8_0)" in cache.describe()
 
@@ -147,7 +124,7 @@ def test_kv_cache_describe_counts_all_bytes():
 @pytest.mark.parametrize("keys", [True, False])
 def test_tile_layout_bytes(monkeypatch, keys, tile, compiled):
     """The documented byte of a code: keys (n_pad / T, D, T / 2), values (D / W, n_pad, W / 2), written by the
-    compiled pass (hadamard_quantize.put) and by torch's ops (elsewhere than the CPU)."""
+    compiled pass (kvcli/kernels/cpu/quantize.py put_vectors) and by torch's ops (elsewhere than the CPU)."""
     if compiled and not hadamard_quantize.available():
         pytest.skip("numba is not installed")
     monkeypatch.setattr(HadamardQ4Store, "_compiled_puts", lambda self: compiled)
@@ -187,7 +164,7 @@ def test_rows_store_a_step_as_each_alone(monkeypatch, window, compiled):
         pytest.skip("numba is not installed")
     monkeypatch.setattr(HadamardQ4Store, "_compiled_puts", lambda self: compiled)
     H, D, lens = 3, 64, [2, 40, 57, 100]  # row 0 still in its sinks for the first steps
-    caches = [KVCache(2, 4, H, 300, D, "q4_hadamard", "q4_hadamard", window=window) for _ in range(2)]
+    caches = [KVCache(2, 4, H, 300, D, "q4_hadamard", "q4_hadamard", window=window, attention=Attention()) for _ in range(2)]
     for c in caches:
         g = torch.Generator().manual_seed(1)
         for r, n in enumerate(lens):

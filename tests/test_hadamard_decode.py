@@ -1,4 +1,4 @@
-"""q4_hadamard's CPU decode kernel (kvcli/cache/hadamard_decode.py): the reference's attention for one
+"""q4_hadamard's CPU decode kernel (kvcli/kernels/cpu/attention_rotated.py): the reference's attention for one
 query token per sequence, in one compiled call, over the codes where they lie."""
 
 from __future__ import annotations
@@ -6,18 +6,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-import kvcli.attention
-from kvcli.attention import Attention, attend_cpu_decode, attend_reference
-from kvcli.cache import KVCache, hadamard, hadamard_decode
+from kvcli.attention import Attention, attend_reference
+from kvcli.cache import KVCache, hadamard
 from kvcli.cache.hadamard import HadamardQ4Store
-from tests.decode_checks import rows_match_reference
+from kvcli.cache.window import Recent
+from kvcli.kernels.cpu import attention_rotated as hadamard_decode
+from tests.decode_checks import decode, rows_match_reference
 
 pytestmark = pytest.mark.skipif(not hadamard_decode.available(), reason="numba is not installed")
 HKV, G, D = 3, 3, 64
 
 
 def _cache(batch: int, window: int, tile: int, n_ctx: int = 600) -> KVCache:
-    cache = KVCache(2, batch, HKV, n_ctx, D, "q4_hadamard", "q4_hadamard", window=window)
+    cache = KVCache(2, batch, HKV, n_ctx, D, "q4_hadamard", "q4_hadamard", window=window, attention=Attention())
     cache.k = HadamardQ4Store(2, batch, HKV, n_ctx, D, keys=True, tile=tile)  # either CPU's tile width
     cache.v = HadamardQ4Store(2, batch, HKV, n_ctx, D, tile=tile)
     return cache
@@ -35,8 +36,7 @@ def _fill(cache: KVCache, lens: list[int], g: torch.Generator) -> None:
 @pytest.mark.parametrize("window", [16, 0])
 def test_rows_equal_the_reference(monkeypatch, tile, window):
     """Rows at their own positions (one among its sinks, one inside its window, two deep), across window
-    hand-overs: the reference's result, its products read from the codes in f32 (not the int4 GEMM's bf16)."""
-    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**9, False: 10**9})
+    hand-overs: the reference's result."""
     g = torch.Generator().manual_seed(0)
     lens = [3, 12, 140, 400]
     cache = _cache(len(lens), window, tile)
@@ -47,14 +47,13 @@ def test_rows_equal_the_reference(monkeypatch, tile, window):
 @pytest.mark.parametrize("window", [16, 0])
 def test_one_position_for_every_row(monkeypatch, window):
     """`kvcli run`'s decode: an int position, the window's positions all read."""
-    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**9, False: 10**9})
     g = torch.Generator().manual_seed(1)
     cache = _cache(2, window, 64)
     cache.store(0, torch.randn(2, 150, HKV, D, generator=g), torch.randn(2, 150, HKV, D, generator=g), 0)
     for pos in range(150, 170):
         q = torch.randn(2, 1, HKV * G, D, generator=g)
         recent = cache.store(0, torch.randn(2, 1, HKV, D, generator=g), torch.randn(2, 1, HKV, D, generator=g), pos)
-        torch.testing.assert_close(attend_cpu_decode(q, cache, 0, pos, recent),
+        torch.testing.assert_close(decode(q, cache, 0, pos, recent, "attention_rotated"),
                                    attend_reference(q, cache, 0, pos, recent=recent), rtol=1e-5, atol=2e-5)
 
 
@@ -62,16 +61,15 @@ def test_one_position_for_every_row(monkeypatch, window):
 def test_head_shapes(monkeypatch, groups, dim, tile):
     """Query heads per KV head taken 1-4 at a time (a group of 5 is 4 and 1), a head size of one to four blocks,
     value tiles narrower than a head (W = 32) and as wide: the reference's result."""
-    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**9, False: 10**9})
     g = torch.Generator().manual_seed(groups)
-    cache = KVCache(1, 2, 2, 300, dim, "q4_hadamard", "q4_hadamard", window=16)
+    cache = KVCache(1, 2, 2, 300, dim, "q4_hadamard", "q4_hadamard", window=16, attention=Attention())
     cache.k = HadamardQ4Store(1, 2, 2, 300, dim, keys=True, tile=tile)
     cache.v = HadamardQ4Store(1, 2, 2, 300, dim, tile=tile)
     cache.store(0, torch.randn(2, 200, 2, dim, generator=g) + 0.5, torch.randn(2, 200, 2, dim, generator=g), 0)
     for pos in range(200, 204):
         q = torch.randn(2, 1, 2 * groups, dim, generator=g)
         recent = cache.store(0, torch.randn(2, 1, 2, dim, generator=g), torch.randn(2, 1, 2, dim, generator=g), pos)
-        torch.testing.assert_close(attend_cpu_decode(q, cache, 0, pos, recent),
+        torch.testing.assert_close(decode(q, cache, 0, pos, recent, "attention_rotated"),
                                    attend_reference(q, cache, 0, pos, recent=recent), rtol=1e-5, atol=2e-5)
 
 
@@ -84,24 +82,22 @@ def test_a_row_gets_the_same_bits_alone_and_beside_others():
     pos = torch.tensor(lens)
     q = torch.randn(3, 1, HKV * G, D, generator=g)
     recent = cache.store(1, torch.randn(3, 1, HKV, D, generator=g), torch.randn(3, 1, HKV, D, generator=g), pos)
-    together = attend_cpu_decode(q, cache, 1, pos, recent)
+    together = decode(q, cache, 1, pos, recent, "attention_rotated")
     for b in range(3):  # the same row through a one-row view: its ring slots and limits as the batch had them
         one = cache.rows(b, b + 1)
-        r = kvcli.attention.Recent(recent.k[b : b + 1], recent.v[b : b + 1], int(recent.lim[b]), recent.size,
+        r = Recent(recent.k[b : b + 1], recent.v[b : b + 1], int(recent.lim[b]), recent.size,
                                    recent.masked[b : b + 1], recent.lim[b : b + 1], int(recent.lim[b]))
-        assert torch.equal(attend_cpu_decode(q[b : b + 1], one, 1, pos[b : b + 1], r), together[b : b + 1])
+        assert torch.equal(decode(q[b : b + 1], one, 1, pos[b : b + 1], r, "attention_rotated"), together[b : b + 1])
 
 
 def test_deep_stores_take_the_kernel_and_fa_off_the_reference(monkeypatch):
-    """The kernel reads a store at any depth (it once left stores past 1024 positions to the int4 GEMM); -fa off
-    is the reference."""
-    monkeypatch.setattr(hadamard, "GEMM_MIN_POSITIONS", {True: 10**9, False: 10**9})
+    """The kernel reads a store at any depth; -fa off is the reference."""
     g = torch.Generator().manual_seed(3)
     cache = _cache(1, 16, 64, n_ctx=1400)
     cache.store(0, torch.randn(1, 1300, HKV, D, generator=g), torch.randn(1, 1300, HKV, D, generator=g), 0)
     q = torch.randn(1, 1, HKV * G, D, generator=g)
     recent = cache.store(0, torch.randn(1, 1, HKV, D, generator=g), torch.randn(1, 1, HKV, D, generator=g), 1300)
-    torch.testing.assert_close(attend_cpu_decode(q, cache, 0, 1300, recent),
+    torch.testing.assert_close(decode(q, cache, 0, 1300, recent, "attention_rotated"),
                                attend_reference(q, cache, 0, 1300, recent=recent), rtol=1e-5, atol=2e-5)
     monkeypatch.setattr(hadamard_decode, "attend", lambda *a: pytest.fail("the kernel ran"))
     torch.testing.assert_close(Attention(flash=False)(q, cache, 0, 99), attend_reference(q, cache, 0, 99, flash=False))

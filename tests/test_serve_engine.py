@@ -11,10 +11,11 @@ import torch
 
 from kvcli.cache import CacheSpec, make_cache
 from kvcli.errors import KvcliError
-from kvcli.generate import Sampler
+from kvcli.sampler import Sampler
 from kvcli.llama import Llama
-from kvcli.model import apply_rope
+from kvcli.rope import apply_rope
 from kvcli.serve.engine import Done, Engine, Failed, Piece, QueueFull, Request, partial_stop
+from kvcli.serve.slots import Slots
 
 
 @pytest.fixture(scope="module")
@@ -45,6 +46,11 @@ def _text(events: list) -> str:
     return "".join(e.text for e in events if isinstance(e, Piece))
 
 
+def _forward_slots(llm, ids: list[list[int]], caches: list, positions: list[int]) -> torch.Tensor:
+    """One batched step as the engine takes it: the segments ids[i] to caches[i] at positions[i].."""
+    return llm.model.forward_slots(ids, Slots(caches, positions, [len(t) for t in ids]), positions)
+
+
 @pytest.mark.parametrize("neox", [False, True])
 def test_rope_with_a_position_per_row(neox):
     """rot (B, T, D/2), each row its own positions, rotates row b as rot[b] (T, D/2) alone (llama and NEOX pairs)."""
@@ -66,8 +72,8 @@ def test_batched_decode_equals_each_slot_alone(llm):
     for s, p in zip(engine.slots, prompts):
         llm.model(torch.tensor([p[:-1]]), s.cache, 0)
         solo.append(llm.model(torch.tensor([p[-1:]]), s.cache, len(p) - 1)[0, -1])
-    batched = llm.model.forward_slots([p[-1:] for p in prompts], [s.cache for s in engine.slots],
-                                      [len(p) - 1 for p in prompts])
+    batched = _forward_slots(llm, [p[-1:] for p in prompts], [s.cache for s in engine.slots],
+                             [len(p) - 1 for p in prompts])
     for b in range(4):
         torch.testing.assert_close(batched[b], solo[b], rtol=1e-4, atol=1e-4)
         assert int(batched[b].argmax()) == int(solo[b].argmax())
@@ -99,7 +105,7 @@ def test_slots_rows_of_one_cache_decode_as_one_batch(llm, monkeypatch, flash):
         solo.append(llm.model(torch.tensor([p[-1:]]), c, len(p) - 1)[0, -1])
     order = [0, 2, 3, 1]
     ids = [prompts[i] if i == 1 else prompts[i][-1:] for i in order]
-    batched = llm.model.forward_slots(ids, [caches[i] for i in order], [0 if i == 1 else len(prompts[i]) - 1 for i in order])
+    batched = _forward_slots(llm, ids, [caches[i] for i in order], [0 if i == 1 else len(prompts[i]) - 1 for i in order])
     for b, i in enumerate(order):
         torch.testing.assert_close(batched[b], solo[i], rtol=1e-4, atol=1e-4)
 
@@ -132,7 +138,7 @@ def test_quantized_rows_with_a_window_decode_as_one_batch(llm, monkeypatch, flas
     pos = [3, 7, 11, 9]
     tokens = [[50 + b] for b in range(4)]
     for step in range(8):
-        batched = llm.model.forward_slots(tokens, rows, pos)
+        batched = _forward_slots(llm, tokens, rows, pos)
         for b in range(4):
             alone = llm.model(torch.tensor([tokens[b]]), solo[b], pos[b])[0, -1]
             # logits span about 30; a code moved by a step moved one by up to 0.20 (0.03-0.20 over six prompt sets)
@@ -163,7 +169,7 @@ def test_prompt_chunks_and_decode_tokens_in_one_step_equal_each_alone(llm):
         else:  # prefilled whole in the step
             solo.append(llm.model(torch.tensor([p]), c, 0)[0, -1])
     ids = [prompts[0][-1:], prompts[1][-1:], prompts[2], prompts[3]]
-    batched = llm.model.forward_slots(ids, caches, [len(prompts[0]) - 1, len(prompts[1]) - 1, 0, 0])
+    batched = _forward_slots(llm, ids, caches, [len(prompts[0]) - 1, len(prompts[1]) - 1, 0, 0])
     assert batched.shape == (4, llm.config.vocab_size)
     for b in range(4):
         torch.testing.assert_close(batched[b], solo[b], rtol=1e-4, atol=1e-4)
@@ -188,7 +194,7 @@ def test_batched_decode_per_cache_type(llm, spec):
         solo.append(llm.model(torch.tensor([p[-1:]]), c, len(p) - 1)[0, -1])
     for c, p in zip(caches, prompts):
         llm.model(torch.tensor([p[:-1]]), c, 0)
-    batched = llm.model.forward_slots([p[-1:] for p in prompts], caches, [len(p) - 1 for p in prompts])
+    batched = _forward_slots(llm, [p[-1:] for p in prompts], caches, [len(p) - 1 for p in prompts])
     for b in range(len(prompts)):  # a batched product's last-bit rounding can move a quantized code by one step
         torch.testing.assert_close(batched[b], solo[b], rtol=0, atol=5e-3)
         assert int(batched[b].argmax()) == int(solo[b].argmax())

@@ -1,12 +1,14 @@
-"""The CUDA resident forms (kvcli.weights.Blocks) and their Triton decode kernel (kvcli/kernels/weights.py).
+"""The CUDA resident forms (kvcli.weights.Blocks) and their Triton decode kernel (kvcli/kernels/gpu/weights.py).
 
 (a) The form, built on CPU as the loader builds it before .to("cuda"): a tiny model's Q4_0 / Q4_1 /
 Q8_0 / Q4_K tensors dequantize to gguf-py's values, its bytes are the plan's, cat and narrow keep
-the rows. (b) The kernel under TRITON_INTERPRET=1 on CPU tensors against the reference, the form's
-dequantize() then an f32 matmul: same values, f32 summation order only. (c) A synthetic --shape
-model's native weights.
+the rows. (b) The kernel, and the table's PRODUCT entries of Blocks (the CUDA entry, the reference), under
+TRITON_INTERPRET=1 on CPU tensors against the form's dequantize() then a matmul: same values, f32 summation order
+only; for a whole model, the CUDA entry registered for CPU tensors too (`blocks_entry_on_cpu`). (c) A synthetic
+--shape model's native weights.
 """
 
+import dataclasses
 import importlib.util
 import os
 import warnings
@@ -19,18 +21,34 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 
 import kvcli.weights as weights  # noqa: E402
-from kvcli.cache.int4_gemm import tile_width  # noqa: E402
+from kvcli import kernel_table as table  # noqa: E402
+from kvcli.kernel_table import PRODUCT  # noqa: E402
+from kvcli.kernels.cpu.int4_tiles import tile_width  # noqa: E402
 from kvcli.errors import KvcliError  # noqa: E402
 from kvcli.gguf_file import open_gguf, read_tensor  # noqa: E402
 from kvcli.llama import Llama  # noqa: E402
 from kvcli.shapes import synthetic_types, weight_bytes  # noqa: E402
 from kvcli.weights import Blocks, cat, load, random_int4, resident_bytes, resident_form  # noqa: E402
-from tests.test_weights import _quantized_model, adversarial_q4_k, q4_k_bytes  # noqa: E402
+from tests.test_weights import _quantized_model, adversarial_q4_k, product_bound, product_params, q4_k_bytes  # noqa: E402
 
 needs_triton = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                   reason="triton is not installed (pip install triton); the kernel needs it")
 Q = gguf.GGMLQuantizationType
 F16 = 2.0**-11  # f16 rounding: |x - f16(x)| <= 2^-11 |x| (normal range)
+
+
+CUDA_ENTRY = next(e for e in table.entries(PRODUCT) if e.device == "cuda" and "int4_cuda" in e.keys)
+
+
+@pytest.fixture
+def blocks_entry_on_cpu():
+    """Blocks' CUDA entry registered for CPU tensors as well (the interpreter stands for CUDA): forms made from here
+    on choose it; taken out again after the test."""
+    entry = table.register(dataclasses.replace(CUDA_ENTRY, device="cpu"))
+    try:
+        yield entry
+    finally:
+        table.unregister(entry)
 
 
 @pytest.fixture(autouse=True)
@@ -120,6 +138,7 @@ def test_cat_narrow_and_rows(bits):
     assert torch.equal(whole.rows(torch.tensor([5, 0, 135])), ref[[5, 0, 135]])
     x = torch.randn(2, 3, 64, generator=torch.Generator().manual_seed(0))  # (B, T, K): no kernel on CPU
     torch.testing.assert_close(whole.matmul(x), x @ ref.T, rtol=1e-5, atol=1e-5 * (x.abs() @ ref.abs().T).max().item())
+    assert whole.product is table.reference(PRODUCT).run  # CPU tensors: the reference, chosen once
 
 
 # ---- (b) the kernel, under the interpreter ----
@@ -135,7 +154,7 @@ def _check(y: torch.Tensor, x: torch.Tensor, w: torch.Tensor):
 @pytest.mark.parametrize("N,K,block_k", [(64, 128, 256), (96, 96, 64), (80, 64, 32)])  # K off the tile
 @pytest.mark.parametrize("M", [1, 3])
 def test_kernel_equals_reference(bits, N, K, block_k, M):
-    from kvcli.kernels.weights import weight_matmul
+    from kvcli.kernels.gpu.weights import weight_matmul
 
     form = _blocks(N, K, bits, seed=N + K)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * torch.logspace(-3, 3, K)
@@ -143,16 +162,35 @@ def test_kernel_equals_reference(bits, N, K, block_k, M):
     _check(y, x, form.dequantize())
 
 
+@pytest.mark.parametrize("entry", product_params("int4_cuda", "cuda"))
+@pytest.mark.parametrize("bits", [4, 8])
+def test_each_product_entry_equals_dequantized_f64(entry, bits):
+    """Each PRODUCT entry of Blocks (the Triton kernel to KERNEL_ROWS rows then slabs; the reference's slabs), run on
+    CPU tensors, against W = dequantize() times x in f64 at 1, 4, 8, 33 and 512 rows, x (1, M, K)."""
+    if entry.device == "cuda" and not entry.ready():
+        pytest.skip(f"{entry.name}: triton is not installed")
+    N, K = 72, 128
+    form = _blocks(N, K, bits, seed=bits)
+    w = form.dequantize().double()
+    g = torch.Generator().manual_seed(2)
+    for M in (1, 4, 8, 33, 512):
+        x = torch.randn(1, M, K, generator=g) * torch.logspace(-2, 2, K)
+        got = entry.run(form, x)
+        assert got.shape == (1, M, N) and got.dtype == torch.float32
+        err = (got.double() - x.double() @ w.T).abs()
+        bound = product_bound(entry, form, x, w)
+        assert (err <= bound).all(), (entry.name, M, (err / bound).max().item())
+
+
 @needs_triton
 @pytest.mark.parametrize("bits", [4, 8])
-def test_form_runs_the_kernel_for_few_rows(monkeypatch, bits):
-    """The form's product with the switch forced on (the interpreter stands for CUDA): the kernel up to
-    KERNEL_ROWS rows, shaped (..., K) -> (..., N); the slab GEMM above."""
-    import kvcli.kernels.weights as kernel
+def test_form_runs_the_kernel_for_few_rows(monkeypatch, bits, blocks_entry_on_cpu):
+    """The form's product through the CUDA entry (registered for CPU tensors: the interpreter stands for CUDA): the
+    kernel up to KERNEL_ROWS rows, shaped (..., K) -> (..., N); the slab GEMM above."""
+    import kvcli.kernels.gpu.weights as kernel
 
     ran = []
     launch = kernel.weight_matmul
-    monkeypatch.setattr(weights, "use_triton", lambda t: True)
     monkeypatch.setattr(kernel, "weight_matmul", lambda *a, **k: ran.append(a[0].shape[0]) or launch(*a, **k))
     form = _blocks(72, 64, bits)
     w = form.dequantize()
@@ -163,12 +201,13 @@ def test_form_runs_the_kernel_for_few_rows(monkeypatch, bits):
         assert y.shape == (*shape[:-1], 72)
         _check(y.view(-1, 72), x.view(-1, 64), w)
     assert ran == [1, 6]
+    assert form.product is blocks_entry_on_cpu.run
 
 
 @needs_triton
-def test_tiny_model_with_blocks_equals_f32(tmp_path, monkeypatch):
-    """A tiny Q4_1 model with its matrices as Blocks (the CUDA forms, here on CPU): a prefill batch
-    through the slabs, decode steps through the kernel, against --weights f32 (the same values)."""
+def test_tiny_model_with_blocks_equals_f32(tmp_path, monkeypatch, blocks_entry_on_cpu):
+    """A tiny Q4_1 model with its matrices as Blocks (the CUDA forms, here on CPU, through the CUDA entry): a prefill
+    batch through the slabs, decode steps through the kernel, against --weights f32 (the same values)."""
     path = _quantized_model(tmp_path, Q.Q4_1, tied=True)
     exact = Llama(path, ctx_size=32, dtype="f32", cache_type_k="f32", cache_type_v="f32", weights="f32")
     monkeypatch.setattr("kvcli.llama.resident_form", lambda t, w, dt, dev: resident_form(t, w, dt, "cuda"))
@@ -178,7 +217,6 @@ def test_tiny_model_with_blocks_equals_f32(tmp_path, monkeypatch):
     assert weight_bytes(llm.config, "f32", False, "native", types, "cuda") == llm.model.weight_bytes()
     ids = list(range(5, 25))
     torch.testing.assert_close(llm.eval(ids), exact.eval(ids), rtol=1e-4, atol=1e-4)
-    monkeypatch.setattr(weights, "use_triton", lambda t: True)
     for token in (7, 100):
         torch.testing.assert_close(llm.eval([token]), exact.eval([token]), rtol=1e-4, atol=1e-4)
 

@@ -9,15 +9,14 @@ CLI's choices come from `STORAGE_TYPES`.
 from __future__ import annotations
 
 import copy
-from typing import Callable, ClassVar, Protocol
+from typing import ClassVar, Protocol
 
 import torch
 
-from kvcli.attention import Attention, Recent
 from kvcli.errors import KvcliError
-from kvcli.kernel_layout import KernelLayout
+from kvcli.kernels.layout import KernelLayout, Operands
 from kvcli.memory import MIB
-from kvcli.cache.window import Ring
+from kvcli.cache.window import Recent, Ring
 
 STORAGE_TYPES: dict[str, type["Store"]] = {}
 ALIASES: dict[str, str] = {}
@@ -46,6 +45,9 @@ class Store:
     # writes such a step one sequence at a time.
     per_row_positions: ClassVar[bool] = False
     row0 = 0  # a `rows` view's first sequence in the store it was made from
+    # quantize on write, run(store, y) -> codes: the kernel table's QUANTIZE entry for this store's device and kind,
+    # handed in by kvcli.attention.Attention.bind; None: the format's own torch quantizer (quantize_reference)
+    quantizer = None
     seqs: torch.Tensor | None = None  # a `rows` view's arange(batch): the sequences it writes at per-row positions
 
     def __init_subclass__(cls, **kwargs):
@@ -65,7 +67,7 @@ class Store:
         return n_layers * batch * n_ctx * kv_dim // cls.block_size * cls.block_bytes
 
     def kernel_layout(self) -> KernelLayout | None:
-        """The constants the Triton kernels read this type with (kvcli/kernel_layout.py); None: no kernel."""
+        """The constants the Triton kernels read this type with (kvcli/kernels/layout.py); None: no kernel."""
         return None
 
     def kernel_operands(self, layer: int) -> tuple[torch.Tensor, ...]:
@@ -87,21 +89,24 @@ class Store:
             raise KvcliError(f"cache type {self.name} needs a head size divisible by {self.block_size}, got {head_dim}")
         self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim = n_layers, batch, n_heads, n_ctx, head_dim
         self.device, self.keys = device, keys
-        # the CPU decode kernels' numpy views of a layer's buffers (kernel_arrays), shared with `rows` views
+        # `operands` of each layer, shared with `rows` views (keyed by their first byte and rows)
         self.kernel_views: dict = {}
 
-    def kernel_arrays(self, kind: str, layer: int, tensors: Callable[[], tuple], to_array: Callable) -> tuple:
-        """A CPU kernel's numpy arrays of one layer: to_array of each of tensors() (this layer's buffers), made once per
-        (kind, layer, first byte, rows) and kept where every one is a view (a copy would go stale). A tensor-to-array
-        conversion costs 1-2 us: a few a layer, every layer, were ~0.5 ms of a decode step."""
-        key = (kind, layer, self.data.data_ptr(), self.batch)
-        arrays = self.kernel_views.get(key)
-        if arrays is None:
-            parts = tensors()
-            arrays = tuple(to_array(t.contiguous()) for t in parts)
-            if all(t.is_contiguous() for t in parts):
-                self.kernel_views[key] = arrays
-        return arrays
+    def operands(self, layer: int) -> Operands:
+        """One layer as the kernels read it (kvcli/kernels/layout.py): the layout, kernel_operands(layer), their numpy
+        views (CPU stores), the rotation; made once per (layer, first byte, rows) and kept where every tensor is
+        contiguous (a copy would go stale): made per call, the conversions are a visible part of a decode step."""
+        key = (layer, self.data.data_ptr(), self.batch)
+        ops = self.kernel_views.get(key)
+        if ops is None:
+            tensors = self.kernel_operands(layer)
+            arrays = tuple(_array(t.contiguous()) for t in tensors) if self.device == "cpu" else ()
+            rot = getattr(self, "rot", None)  # rotated types' R
+            signs = rot[0].contiguous().numpy() if rot is not None and self.device == "cpu" else None
+            ops = Operands(self.kernel_layout(), tensors, arrays, rot, signs)
+            if all(t.is_contiguous() for t in tensors):
+                self.kernel_views[key] = ops
+        return ops
 
     def nbytes(self) -> int:
         raise NotImplementedError
@@ -140,13 +145,30 @@ class Store:
         raise NotImplementedError
 
     def scores(self, layer: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """q (B, Hkv, R, D), in this store's space, against the keys at start..end-1 -> (B, Hkv, R, end - start).
-        Block formats override this (and weighted_sum) to read their bytes without dequantizing."""
+        """q (B, Hkv, R, D), in this store's space, against the keys at start..end-1 -> (B, Hkv, R, end - start):
+        load + matmul, the reference's product (no store overrides it: fast paths are the kernel table's)."""
         return q @ self.load(layer, start, end).transpose(-1, -2)
 
     def weighted_sum(self, layer: int, p: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """p (B, Hkv, R, end - start) over the values at start..end-1 -> (B, Hkv, R, D)."""
+        """p (B, Hkv, R, end - start) over the values at start..end-1 -> (B, Hkv, R, D): load + matmul."""
         return p @ self.load(layer, start, end)
+
+    def quantize(self, y: torch.Tensor):
+        """y (B, T, Hkv, D) f32 -> the codes this format lays out (quantize_reference's form), through the bound kernel."""
+        return self.quantizer(self, y) if self.quantizer is not None else self.quantize_reference(y)
+
+    def quantize_reference(self, y: torch.Tensor):
+        """The format's quantizer in torch: the truth its kernels are tested against (dense types: none, a cast)."""
+        raise NotImplementedError
+
+
+def _array(t: torch.Tensor):
+    """A CPU tensor as the kernels' numpy view: bf16 as int16 bits, f16 as uint16 bits (numpy has no bf16)."""
+    if t.dtype == torch.bfloat16:
+        t = t.view(torch.int16)
+    elif t.dtype == torch.float16:
+        t = t.view(torch.uint16)
+    return t.numpy()
 
 
 def resolve_type(name: str) -> type[Store]:
@@ -194,15 +216,17 @@ class KVCache:
     types' default); 0: every position goes straight into the stores."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", attention: Attention | None = None,
-                 window: int = 0):
+                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", *, attention, window: int = 0):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
-        self.attend = attention or Attention()  # how to attend (the -fa choice); the cache only holds it
+        # how to attend (kvcli.attention.Attention: the -fa choice and the kernels it chose); the cache only holds it
+        self.attend = attention
+        self.kernels: dict = {}  # the attention entries chosen for this cache, by shape (Attention.__call__)
         self.k = resolve_type(type_k)(*shape, device=device, keys=True)
         self.v = resolve_type(type_v)(*shape, device=device)
         self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
         # K's and V's f16 windows, their heads side by side: (L, B, 2 Hkv, N, D)
         self.ring = Ring(n_layers, batch, 2 * n_kv_heads, window, head_dim, device) if window else None
+        attention.bind(self.k, self.v)
         self.base, self.row0 = None, 0  # a view made by `rows`: the cache and first sequence it shows
         self._positions: tuple[int, torch.Tensor] | None = None  # _decode_positions' (pos, (B,) tensor) of this step
 

@@ -6,18 +6,18 @@ import functools
 
 import torch
 
-from kvcli.attention import use_triton
-from kvcli.kernel_layout import Kind, KernelLayout
+from kvcli.kernels.layout import Kind, KernelLayout
 from kvcli.memory import lazy_zeros
 from kvcli.cache.base import Store
 
 
 @functools.cache
 def _cpu_put():
-    """dense_decode.put where numba is, else None; looked up once (numba loads only where a CPU kernel runs)."""
-    from kvcli.cache import dense_decode
+    """The compiled rounding write (kvcli/kernels/cpu/quantize.py put_dense) where numba is, else None; looked up once
+    (numba loads only where a CPU cache writes)."""
+    from kvcli.kernels.cpu import quantize
 
-    return dense_decode.put if dense_decode.available() else None
+    return quantize.put_dense if quantize.available() else None
 
 
 class DenseStore(Store):
@@ -25,7 +25,7 @@ class DenseStore(Store):
     batched = ("data",)
     per_row_positions = True
     dtype: torch.dtype
-    kind: int  # the kernels' KIND (kvcli/cache/layout.py)
+    kind: int  # the kernels' KIND (kvcli/kernels/layout.py)
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
@@ -43,19 +43,14 @@ class DenseStore(Store):
         if torch.is_tensor(pos):
             self.data[layer, self.sequences(x.shape[0]), :, pos] = x[:, 0].to(self.dtype)  # (B, Hkv, D)
             return
-        if use_triton(x):  # Triton write kernel; imported here so CPU users never import triton
-            from kvcli.kernels.quantize import quantize_into
-
-            quantize_into(self.kernel_layout(), x, self.data[layer], pos)
-            return
         self.data[layer, :, :, pos : pos + x.shape[1]] = x.transpose(1, 2)
 
     def store_pair(self, other: "DenseStore", layer: int, x: torch.Tensor, y: torch.Tensor,
                    pos: int | torch.Tensor) -> None:
-        """One new token per sequence on the CPU: both in one compiled pass where numba is (dense_decode.put)."""
+        """One new token per sequence on the CPU: both rounded and placed in one compiled pass where numba is."""
         put = _cpu_put() if x.shape[1] == 1 and x.device.type == "cpu" else None
         if put is not None:
-            return put(self, other, layer, x, y, pos)
+            return put(self.operands(layer).arrays[0], other.operands(layer).arrays[0], x, y, pos)
         super().store_pair(other, layer, x, y, pos)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:

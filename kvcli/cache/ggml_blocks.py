@@ -14,11 +14,9 @@ from typing import ClassVar
 import torch
 import torch.nn.functional as F
 
-from kvcli.attention import use_triton
-from kvcli.cache import block_products
 from kvcli.memory import lazy_zeros
 from kvcli.cache.base import STORAGE_TYPES, Store
-from kvcli.kernel_layout import Kind, KernelLayout
+from kvcli.kernels.layout import Kind, KernelLayout
 
 # The one table of sizes: name -> (elements per block, bytes per block, scales included).
 # Bits per element = 8 * bytes / elements: q8_0 8.5, q4_0 4.5, q4_1 5, q5_0 5.5, q5_1 6, iq4_nl 4.5.
@@ -116,10 +114,8 @@ def _round_to_int8(v: torch.Tensor) -> torch.Tensor:
 
 
 class GgmlBlockStore(Store):
-    """A ggml block format; subclasses give quantize_blocks and dequantize_blocks. The q4_0 layout
-    also has a decode path that reads its bytes directly (kvcli/cache/block_products.py)."""
+    """A ggml block format; subclasses give quantize_blocks and dequantize_blocks."""
 
-    reads_nibbles: ClassVar[bool] = False  # q4_0 layout: decode scores and sums from the bytes
     batched = ("data",)
     per_row_positions = True
     # the block's fields for the kernels (ggml-common.h): KIND, fp16 m, 4 bytes of fifth bits, nibbles
@@ -140,30 +136,6 @@ class GgmlBlockStore(Store):
         self.row_bytes = self.head_dim // self.block_size * self.block_bytes
         self.data = lazy_zeros((self.n_layers, self.batch, self.n_heads, self.n_ctx, self.row_bytes),
                                torch.uint8, self.device)
-        if self.reads_nibbles:
-            self.codes = block_products.BlockCodes(self.head_dim, self.block_bytes).to(self.device)
-
-    def direct(self, x: torch.Tensor) -> bool:
-        """Read the bytes without dequantizing? For a few query rows (decode), on the CPU."""
-        return self.reads_nibbles and x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
-
-    def byte_rows(self, layer: int, start: int, end: int) -> torch.Tensor:
-        """Positions start..end-1 as (B * Hkv, t, row_bytes) uint8, a view."""
-        return self.data[layer, :, :, start:end].flatten(0, 1)
-
-    def scores(self, layer, q, start, end):
-        if not (self.direct(q) and block_products.int_mm_fast()):
-            return super().scores(layer, q, start, end)
-        B, H, R, D = q.shape
-        return block_products.scores(q.reshape(B * H, R, D), self.byte_rows(layer, start, end),
-                                     self.codes).view(B, H, R, end - start)
-
-    def weighted_sum(self, layer, p, start, end):
-        if not self.direct(p):
-            return super().weighted_sum(layer, p, start, end)
-        B, H, R, t = p.shape
-        return block_products.weighted_sum(p.reshape(B * H, R, t), self.byte_rows(layer, start, end),
-                                           self.codes).view(B, H, R, self.head_dim)
 
     def nbytes(self) -> int:
         return self.data.numel()
@@ -176,13 +148,8 @@ class GgmlBlockStore(Store):
                    pos: int | torch.Tensor) -> None:
         """K here, V in `other` (same type), quantized in one pass: the quantizer's few dozen small ops
         run once per token instead of twice."""
-        x, y = x.float(), y.float()
-        if self.triton(x) and not torch.is_tensor(pos):
-            self.write(layer, x, pos)
-            other.write(layer, y, pos)
-            return
         B = x.shape[0]
-        blocks = self.quantize_rows(torch.cat([x, y]))  # (2B, Hkv, T, row_bytes)
+        blocks = self.quantize(torch.cat([x.float(), y.float()]))  # (2B, Hkv, T, row_bytes)
         self._put(layer, blocks[:B], pos)
         other._put(layer, blocks[B:], pos)
 
@@ -193,24 +160,15 @@ class GgmlBlockStore(Store):
         else:
             self.data[layer, :, :, pos : pos + blocks.shape[2]] = blocks
 
-    def triton(self, x: torch.Tensor) -> bool:
-        """Write through the Triton kernel: on CUDA, for a type a kernel reads."""
-        return use_triton(x) and self.kind is not None
-
-    def quantize_rows(self, x: torch.Tensor) -> torch.Tensor:
-        """(B, T, Hkv, D) f32 -> (B, Hkv, T, row_bytes): quantized before the transpose, on fewer bytes."""
+    def quantize_reference(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, T, Hkv, D) f32 -> blocks (B, Hkv, T, row_bytes): quantized before the transpose, on fewer bytes."""
         B, T, H, D = x.shape
         blocks = self.quantize_blocks(x.reshape(B, T, H, D // self.block_size, self.block_size))
         return blocks.reshape(B, T, H, self.row_bytes).transpose(1, 2)
 
     def write(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
         """Quantize x (B, T, Hkv, D) f32 into positions pos..pos+T-1 (pos: as `store`)."""
-        if self.triton(x) and not torch.is_tensor(pos):  # Triton quantize-on-write, byte-equal to quantize_blocks
-            from kvcli.kernels.quantize import quantize_into  # triton imported only here
-
-            quantize_into(self.kernel_layout(), x, self.data[layer], pos)
-            return
-        self._put(layer, self.quantize_rows(x), pos)
+        self._put(layer, self.quantize(x), pos)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         rows = self.data[layer, :, :, start:end]  # (B, H, t, row_bytes), a view
@@ -246,7 +204,6 @@ class Q4_0Store(GgmlBlockStore):
     name = "q4_0"
     block_size, block_bytes = GGML_BLOCKS[name]
     kind = Kind.Q4_0
-    reads_nibbles = True
 
     @staticmethod
     def quantize_blocks(x):
@@ -346,7 +303,7 @@ class IQ4_NLStore(GgmlBlockStore):
 
 
 def quantize_reference(kind: str, x: torch.Tensor, dst: torch.Tensor, pos: int) -> None:
-    """The PyTorch reference of the Triton write kernel (kvcli.kernels.quantize.quantize_into), same
+    """The PyTorch reference of the Triton write kernel (kvcli.kernels.gpu.quantize.quantize_into), same
     arguments with the type's name for its layout: x (B, T, Hkv, D) f32 -> rows pos..pos+T-1 of dst
     (B, Hkv, n_ctx, row_bytes or D), through the stores' own quantizers."""
     B, T, H, D = x.shape

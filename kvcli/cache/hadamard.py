@@ -10,16 +10,17 @@ The format, in one place. For each layer, sequence and KV head, a head vector x 
      from a small grid plus a least-squares refit to minimise the block's squared error (not
      ggml's max/-8). Scales: (D / 32, n_pad) bf16 per head, n_pad = n_ctx rounded up to 64
      (on every CPU, so the byte count does not depend on it).
-     Codes, two per byte, in the tiles torch's int4 CPU GEMM reads (kvcli/cache/int4_gemm.py),
-     of T = 64 or 32 rows as that GEMM packs them on the running CPU (`int4_gemm.tile_width()`):
+     Codes, two per byte, in the tiles torch's int4 CPU GEMM reads (kvcli/kernels/cpu/int4_tiles.py),
+     of T = 64 or 32 rows as that GEMM packs them on the running CPU (`int4_tiles.tile_width()`):
        keys:   (n_pad / T, D, T / 2) per head; byte (i, e, j) = element e of positions T i + j
-               (low nibble) and T i + j + T / 2 (high): decode scores are one GEMM per head;
+               (low nibble) and T i + j + T / 2 (high): 16 positions' codes of one element per vector;
        values: (D / W, n_pad, W / 2) per head, W = min(T, D); byte (i, t, j) = elements
-               W i + j (low) and W i + j + W / 2 (high) of position t: weighted sums likewise.
+               W i + j (low) and W i + j + W / 2 (high) of position t: 32 elements per vector.
 The first N_SINK positions (attention sinks) are also kept as rotated f16 and used in place
 of their 4-bit copy. Attention compares keys in the rotated space (q is rotated once) and
 rotates the value output back once. Bytes: 4.5 bits per element, plus the sinks, offsets and
-the padding to 64 positions, all counted in `nbytes`.
+the padding to 64 positions, all counted in `nbytes`. The CPU decode kernel reads the codes where they
+lie (kvcli/kernels/cpu/attention_rotated.py), as the Triton one does (kvcli/kernels/gpu/attention.py).
 """
 
 from __future__ import annotations
@@ -30,22 +31,15 @@ from typing import ClassVar
 import numpy as np
 import torch
 
-from kvcli.attention import use_triton
-from kvcli.cache import block_products, hadamard_quantize, int4_gemm
+from kvcli.kernels.cpu import int4_tiles
 from kvcli.memory import lazy_zeros
 from kvcli.cache.base import Store
-from kvcli.kernel_layout import Kind, KernelLayout
+from kvcli.kernels.layout import Kind, KernelLayout
 from kvcli.errors import KvcliError
 
 N_SINK = 4
-# Positions of a decode product below which reading the codes as f32 (`_code_scores`, `_code_weighted_sum`)
-# costs less than torch's int4 GEMM (one call per sequence and head, each with its fixed cost): keys, values
-# (benchmarks/README.md). Per sequence, not per batch, so that a sequence reads its cache the same way alone
-# and beside others.
-GEMM_MIN_POSITIONS = {True: 128, False: 384}
 # Scales tried per block, as fractions of ggml's q4_0 scale max / -8, each refit by least squares.
 _SCALE_GRID = torch.linspace(0.70, 1.10, 9)
-_SCALE_GRID_F32 = _SCALE_GRID.numpy()  # the CPU pass's operand
 
 
 def rotation(dim: int, seed: int = 0) -> torch.Tensor:
@@ -108,7 +102,6 @@ class RotatedStore(Store):
         if D & (D - 1):
             raise KvcliError(f"cache type {self.name} needs a power-of-two head size, got {D}")
         self.rot = rotation(D).to(self.device)  # r = x @ rot.T
-        self.rot_first_row = self.rot[0].contiguous()  # s / sqrt(D): the CPU kernel's rotations (hadamard_decode)
         self.sink = torch.zeros(L, B, H, min(self.n_sink, n), D, dtype=torch.float16, device=self.device)
         self.offset = torch.zeros(L, B, 1, H, D, device=self.device)  # c, broadcast over positions
         # per layer and sequence: has the offset been set (a `rows` view shares it, reading rows row0..)
@@ -165,16 +158,12 @@ class HadamardQ4Store(RotatedStore):
         super().__init__(*args, **kwargs)
         L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
         self.n_pad = _whole_tiles(n)
-        self.tile = tile or int4_gemm.tile_width() or PAD
+        self.tile = tile or int4_tiles.tile_width() or PAD
         tw = self.tile
         self.width = min(tw, D)  # W: elements per value tile
         shape = (self.n_pad // tw, D, tw // 2) if self.keys else (D // self.width, self.n_pad, self.width // 2)
         self.data = lazy_zeros((L, B, H, *shape), torch.uint8, self.device)
         self.scale = lazy_zeros((L, B, H, D // 32, self.n_pad), torch.bfloat16, self.device)
-        self._unit = None  # (n_pad / 32, W, 2) bf16 unit scales for the value GEMM; made here: `rows` views share it
-        if not self.keys:
-            self._unit = torch.zeros(self.n_pad // 32, self.width, 2, dtype=torch.bfloat16, device=self.device)
-            self._unit[..., 0] = 1
         # fixed for the store's life: built once, not per layer and token where the kernels run
         self._layout = KernelLayout(Kind.HADAMARD_KEYS if self.keys else Kind.HADAMARD_VALUES, self.block_bytes,
                                     table=tuple(_SCALE_GRID.tolist()), n_sink=N_SINK,
@@ -197,15 +186,10 @@ class HadamardQ4Store(RotatedStore):
         offsets (B, H, D) f32."""
         return self.data[layer], self.scale[layer], self.sink[layer], self.offset[layer, :, 0]
 
-    def quantize(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """quantize_vectors, through its Triton kernel on CUDA (imported there only: triton), its compiled
-        pass on the CPU (kvcli/cache/hadamard_quantize.py)."""
-        if use_triton(y):
-            from kvcli.kernels.quantize import quantize_codes
+    scale_grid_f32 = _SCALE_GRID.numpy()  # the scale grid as the CPU quantizer takes it
 
-            return quantize_codes(self.kernel_layout(), y)
-        if y.device.type == "cpu" and hadamard_quantize.available():
-            return hadamard_quantize.quantize(y, _SCALE_GRID_F32)
+    def quantize_reference(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """y (B, T, H, D) f32 -> codes (B, T, H, D) uint8, scales (B, T, H, D / 32) f32 (quantize_vectors)."""
         return quantize_vectors(y)
 
     def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
@@ -243,14 +227,21 @@ class HadamardQ4Store(RotatedStore):
         return True
 
     def _compiled_puts(self) -> bool:
-        return self.data.device.type == "cpu" and hadamard_quantize.available()
+        """Are codes laid out by the compiled pass (kvcli/kernels/cpu/quantize.py put_vectors)? On a CPU store, where
+        numba loads; imported here: numba loads only where a CPU cache writes."""
+        if self.data.device.type != "cpu":
+            return False
+        from kvcli.kernels.cpu import quantize
+
+        return quantize.available()
 
     def _put_vectors(self, layer: int, u: torch.Tensor, d: torch.Tensor, rows: np.ndarray, pos: np.ndarray) -> None:
         """Codes u (M, H, D) and scales d (M, H, D / 32), vector m to sequence rows[m] at position pos[m], through
         the compiled pass over this layer's bytes."""
-        data, scale = self.kernel_arrays("q4_hadamard_put", layer, lambda: (self.data[layer], self.scale[layer]),
-                                         lambda t: (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).numpy())
-        hadamard_quantize.put(data, scale, u, d, rows, pos, self.keys)
+        data, scale = self.operands(layer).arrays[:2]  # codes uint8, scales bf16 bits (int16)
+        from kvcli.kernels.cpu.quantize import put_vectors
+
+        put_vectors(data, scale, u, d, rows, pos, self.keys)
 
     @staticmethod
     def store_rows(stores: tuple, layer: int, xs: tuple, pos: torch.Tensor) -> None:
@@ -285,7 +276,7 @@ class HadamardQ4Store(RotatedStore):
             self.data[layer, seqs, :, tile, :, col] = torch.where(high, (old & 0x0F) | (u << 4), (old & 0xF0) | u)
         else:
             W = self.width
-            self.data[layer, seqs, :, :, pos] = int4_gemm.pack_pairs(u.unflatten(-1, (-1, W)))  # (B, H, D / W, W / 2)
+            self.data[layer, seqs, :, :, pos] = int4_tiles.pack_pairs(u.unflatten(-1, (-1, W)))  # (B, H, D / W, W / 2)
 
     def put(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: int) -> None:
         """Codes u (B, T, H, D) and scales d (B, T, H, D / 32) into positions pos..pos+T-1."""
@@ -305,16 +296,16 @@ class HadamardQ4Store(RotatedStore):
             tiles = self.data[layer, :, :, t0:t1]  # (B, H, nt, D, T / 2)
             codes = self._tile_codes(tiles)
             codes[:, :, pos - tw * t0 : pos - tw * t0 + T] = u.transpose(1, 2)
-            tiles.copy_(int4_gemm.pack_pairs(codes.view(B, H, t1 - t0, tw, D).transpose(-1, -2)))
+            tiles.copy_(int4_tiles.pack_pairs(codes.view(B, H, t1 - t0, tw, D).transpose(-1, -2)))
         else:
             W = self.width
             u = u.reshape(B, T, H, D // W, W)
-            self.data[layer, :, :, :, pos : pos + T] = int4_gemm.pack_pairs(u).permute(0, 2, 3, 1, 4)
+            self.data[layer, :, :, :, pos : pos + T] = int4_tiles.pack_pairs(u).permute(0, 2, 3, 1, 4)
 
     # ---- reading ----
     def _tile_codes(self, tiles: torch.Tensor) -> torch.Tensor:
         """Key tiles (B, H, nt, D, T / 2) -> the codes of their T nt positions (B, H, T nt, D) uint8."""
-        return int4_gemm.unpack_pairs(tiles).transpose(-1, -2).reshape(self.batch, self.n_heads, -1, self.head_dim)
+        return int4_tiles.unpack_pairs(tiles).transpose(-1, -2).reshape(self.batch, self.n_heads, -1, self.head_dim)
 
     def codes(self, layer: int, start: int, end: int) -> torch.Tensor:
         """The codes of positions start..end-1 as (B, H, end - start, D) uint8."""
@@ -324,7 +315,7 @@ class HadamardQ4Store(RotatedStore):
             t0, t1 = start // tw, -(-end // tw)
             return self._tile_codes(self.data[layer, :, :, t0:t1])[:, :, start - tw * t0 : end - tw * t0]
         planes = self.data[layer, :, :, :, start:end]  # (B, H, D / W, n, W / 2), W = self.width
-        u = int4_gemm.unpack_pairs(planes)  # (B, H, D / W, n, W)
+        u = int4_tiles.unpack_pairs(planes)  # (B, H, D / W, n, W)
         return u.transpose(2, 3).reshape(B, H, end - start, D)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
@@ -336,69 +327,3 @@ class HadamardQ4Store(RotatedStore):
         sinks = self._sinks(layer, start, end)
         y[:, :, : sinks.shape[2]] = sinks
         return y
-
-    def gemm(self, x: torch.Tensor) -> bool:
-        """Decode products through the int4 GEMM? A few query rows, on the CPU, the tile width torch packs
-        (value tiles as wide as it: W = T)."""
-        return (x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
-                and (self.keys or self.width == self.tile) and int4_gemm.tile_width() == self.tile)
-
-    def _short(self, start: int, end: int) -> bool:
-        """Too few positions for the GEMM's per-call cost to pay?"""
-        return end - start < GEMM_MIN_POSITIONS[self.keys]
-
-    def scores(self, layer, q, start, end):
-        if q.shape[-2] > block_products.MAX_ROWS:
-            return super().scores(layer, q, start, end)  # through load: offset and sinks included
-        if not self.gemm(q) or self._short(start, end):
-            s = self._code_scores(layer, q, start, end)
-        else:
-            s = int4_gemm.scores(q, self.data[layer], self.scale[layer], start, end)  # q . y_t
-        s += q @ self.offset[layer].permute(0, 2, 3, 1)  # + q . c: (B, H, R, D) @ (B, H, D, 1)
-        sinks = self._sinks(layer, start, end)
-        s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
-        return s
-
-    def weighted_sum(self, layer, p, start, end):
-        if p.shape[-2] > block_products.MAX_ROWS:
-            return super().weighted_sum(layer, p, start, end)
-        sinks = self._sinks(layer, start, end)
-        m = sinks.shape[2]
-        if not self.gemm(p) or self._short(start, end):
-            out = self._code_weighted_sum(layer, p, start, end, skip=m)
-        else:
-            out = int4_gemm.weighted_sum(p, self.data[layer], self.scale[layer], start, end, self._unit, skip=m)
-        out.addcmul_(p[..., m:].sum(-1, keepdim=True), self.offset[layer].transpose(1, 2))  # + c, past the sinks
-        if m:
-            out += p[..., :m] @ sinks
-        return out
-
-    # Short decode products (below GEMM_MIN_POSITIONS, or no int4 GEMM): the codes as f32, the scales kept
-    # out of the full-size pass (block_products' identities: q . d (u - 8) = d (q . u - 8 sum q), and
-    # sum_t p_t d_t (u_t - 8) = (p d) . u - 8 sum_t p_t d_t); one float copy of the codes, no dequantized cache.
-    def _code_scores(self, layer: int, q: torch.Tensor, start: int, end: int) -> torch.Tensor:
-        """q (B, H, R, D) . d (u - 8) for the keys at start..end-1 -> (B, H, R, end - start) f32; no offset, no sinks."""
-        B, H, R, D = q.shape
-        tw, nb = self.tile, D // 32
-        t0, t1 = start // tw, -(-end // tw)
-        n = (t1 - t0) * tw
-        # (B, H, D, n_tiles, T) codes: a tile's low then high nibbles are its positions in order, so the cat lays
-        # every position of the range out in order along the last two dimensions
-        u = int4_gemm.unpack_pairs(self.data[layer, :, :, t0:t1].transpose(2, 3)).float().reshape(B, H, nb, 32, n)
-        qb = q.unflatten(-1, (nb, 32)).transpose(2, 3)  # (B, H, nb, R, 32)
-        qu = (qb @ u).sub_(qb.sum(-1, keepdim=True), alpha=8)  # (B, H, nb, R, n): q_b . (u_b - 8)
-        s = (qu * self.scale[layer, :, :, :, t0 * tw : t1 * tw].unsqueeze(3)).sum(2)  # (B, H, R, n)
-        return s[..., start - t0 * tw : end - t0 * tw]
-
-    def _code_weighted_sum(self, layer: int, p: torch.Tensor, start: int, end: int, skip: int = 0) -> torch.Tensor:
-        """sum_t p_t d_t (u_t - 8) over the values at start..end-1 (the first `skip` of them weightless) ->
-        (B, H, R, D) f32; no offset, no sinks."""
-        B, H, R, n = p.shape
-        D, W = self.head_dim, self.width
-        u = int4_gemm.unpack_pairs(self.data[layer, :, :, :, start:end]).float()  # (B, H, D / W, n, W)
-        u = u.unflatten(-1, (W // 32, 32)).transpose(3, 4).reshape(B, H, D // 32, n, 32)  # (B, H, nb, n, 32) per block
-        pd = p.unsqueeze(2) * self.scale[layer, :, :, :, start:end].unsqueeze(3)  # (B, H, nb, R, n): p_t d_t,b
-        if skip:
-            pd[..., :skip] = 0
-        out = (pd @ u).sub_(pd.sum(-1, keepdim=True), alpha=8)  # (B, H, nb, R, 32)
-        return out.transpose(2, 3).reshape(B, H, R, D)

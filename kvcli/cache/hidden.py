@@ -24,12 +24,13 @@ How a run picks and builds a cache (kv, hidden or auto) is kvcli/cache/spec.py.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
-from kvcli.attention import Attention, Recent
 from kvcli.cache.base import KVCache, Store, resolve_type
-from kvcli.cache.window import Ring
+from kvcli.cache.window import Recent, Ring
 from kvcli.errors import KvcliError
 from kvcli.memory import MIB
+from kvcli.rope import apply_rope
 
 HADAMARD_MAX = 256
 
@@ -78,20 +79,79 @@ class _Values(_Keys):
         return self.cache.project_values(layer, xs, p)
 
 
+class BlockKV:
+    """One block's K and V as this cache rebuilds them from x: K's and V's rows of the block's fused wqkv (views,
+    made on first use; a packed form's scales copied then), their biases, K's head norm and RoPE, applied as
+    Block.forward applies them (kvcli/model.py)."""
+
+    def __init__(self, block):
+        self.block, self.c = block, block.c
+        self.q_dim = block.c.n_heads * block.c.head_dim
+        self._wkv = self._wk = self._wv_heads = None  # views of wqkv, made on first use
+
+    @property
+    def wkv(self):
+        """The k,v rows of wqkv as a form (a view; a packed form's scales copied on first use)."""
+        if self._wkv is None:
+            self._wkv = self.block.wqkv.narrow(self.q_dim, 2 * self.c.kv_dim)
+        return self._wkv
+
+    @property
+    def wk(self):
+        """The k rows of wqkv as a form (a view, made once)."""
+        if self._wk is None:
+            self._wk = self.block.wqkv.narrow(self.q_dim, self.c.kv_dim)
+        return self._wk
+
+    @property
+    def wv_heads(self) -> list:
+        """Each KV head's rows of Wv, a form apiece (views): weighted sums of x are projected with them."""
+        if self._wv_heads is None:
+            c = self.c
+            self._wv_heads = [self.block.wqkv.narrow(self.q_dim + c.kv_dim + h * c.head_dim, c.head_dim)
+                              for h in range(c.n_kv_heads)]
+        return self._wv_heads
+
+    @property
+    def bv(self) -> torch.Tensor | None:
+        """V's bias per KV head, (Hkv, D) f32, or None: added to rebuilt values."""
+        bqkv = self.block.bqkv
+        return None if bqkv is None else bqkv[self.q_dim + self.c.kv_dim :].view(self.c.n_kv_heads, -1)
+
+    @property
+    def linear_kv(self) -> bool:
+        """K = adjacent-pair RoPE(x Wk) and V = x Wv, nothing more: what the hidden decode kernel rebuilds."""
+        return not (self.c.rope_neox or self.c.qkv_bias or self.c.qk_norm)
+
+    def project_k(self, x: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """K = RoPE(x Wk + bk) (each head RMS-normed first where qk_norm) for normed inputs x (B, n, n_embd) f32
+        at rot's n positions -> (B, n, Hkv, D) f32, computed as Block.forward computes it."""
+        c, bqkv, qk_norm = self.c, self.block.bqkv, self.block.qk_norm
+        k = self.wk.matmul(x)  # (B, n, kv_dim)
+        if bqkv is not None:
+            k = k + bqkv[self.q_dim : self.q_dim + c.kv_dim]
+        k = k.unflatten(-1, (c.n_kv_heads, c.head_dim))  # (B, n, Hkv, D)
+        if qk_norm is not None:
+            k = F.rms_norm(k, (c.head_dim,), eps=c.rms_eps) * qk_norm[c.n_heads :]
+        return apply_rope(k, rot, c.rope_neox)
+
+
 class HiddenCache:
     """Stores x per layer; `.attention` has KVCache's signature. Needs the Transformer's weights.
     window: the newest positions whose x stays in f16 (as KVCache's)."""
 
     def __init__(self, config, batch: int, n_ctx: int, type_h: str = "f16", device: str = "cpu",
-                 attention: Attention | None = None, model=None, window: int = 0):
+                 *, attention, model=None, window: int = 0):
         if model is None:
             raise KvcliError("the hidden-state cache needs the model (its K/V weights and RoPE table)")
         c = self.config = config
         self.model = model  # blocks' wqkv and the rope table, read at attention time (no copies)
-        self.attend = attention or Attention()  # how to attend (the -fa choice); the cache only holds it
+        self.block_kv = [BlockKV(b) for b in model.blocks]  # each block's K/V weights, as this cache reads them
+        self.attend = attention  # how to attend (kvcli.attention.Attention); the cache only holds it
         self.n_layers, self.batch, self.n_ctx = c.n_layers, batch, n_ctx
         ds = store_head_dim(c.n_embd)
         self.h = resolve_type(type_h)(c.n_layers, batch, c.n_embd // ds, n_ctx, ds, device=device)
+        attention.bind(self.h)
         self.window = window
         self.ring = Ring(c.n_layers, batch, c.n_embd // ds, window, ds, device) if window else None
         self.k, self.v = _Keys(self), _Values(self)
@@ -144,7 +204,7 @@ class HiddenCache:
         write, w0, recent, r0 = self.ring.push(layer, x, pos)  # recent (B, Hs, n, Ds): x of r0..pos+T-1
         if write is not None:
             self.h.store(layer, write, w0)
-        block, xr = self.model.blocks[layer], recent.transpose(1, 2).reshape(B, -1, E)
+        block, xr = self.block_kv[layer], recent.transpose(1, 2).reshape(B, -1, E)
         k = block.project_k(xr, self.model.rot[r0 : pos + T])  # (B, n, Hkv, D)
         v = torch.stack([w.matmul(xr) for w in block.wv_heads], 2)  # (B, n, Hkv, D): the window's own V
         if block.bv is not None:
@@ -165,11 +225,11 @@ class HiddenCache:
 
     def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
         """K = RoPE(x Wk) at positions start..end-1 -> (B, Hkv, n, D) f32."""
-        return self.model.blocks[layer].project_k(self.x_chunk(layer, start, end), self.model.rot[start:end]).transpose(1, 2)
+        return self.block_kv[layer].project_k(self.x_chunk(layer, start, end), self.model.rot[start:end]).transpose(1, 2)
 
     def values(self, layer: int, start: int, end: int) -> torch.Tensor:
         """V = x Wv (+ bv) at positions start..end-1 -> (B, Hkv, n, D) f32 (attention itself never builds it)."""
-        x, block = self.x_chunk(layer, start, end), self.model.blocks[layer]  # x (B, n, n_embd)
+        x, block = self.x_chunk(layer, start, end), self.block_kv[layer]  # x (B, n, n_embd)
         v = torch.stack([w.matmul(x) for w in block.wv_heads], 1)
         return v if block.bv is None else v + block.bv[:, None]
 
@@ -177,7 +237,7 @@ class HiddenCache:
         """xs (B, Hkv, R, n_embd), weighted sums of x for each KV head's query rows, p (B, Hkv, R, n) the
         chunk's weights -> (B, Hkv, R, D): head h's rows times Wv_h, one product per KV head.
         With a V bias: sum_t p_t (Wv x_t + bv) = Wv (sum_t p_t x_t) + bv sum_t p_t, p summed over this chunk."""
-        block = self.model.blocks[layer]
+        block = self.block_kv[layer]
         out = torch.stack([w.matmul(xs[:, h]) for h, w in enumerate(block.wv_heads)], 1)
         return out if block.bv is None else out + block.bv[:, None] * p.sum(-1, keepdim=True)  # summed only with a bias
 

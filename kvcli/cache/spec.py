@@ -6,7 +6,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from kvcli.attention import Attention
 from kvcli.cache.base import KVCache, resolve_type, window_for
 from kvcli.cache.hidden import HiddenCache
 from kvcli.errors import KvcliError
@@ -92,9 +91,9 @@ def cache_bytes(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1) -> int:
 
 
 def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str = "cpu",
-               attention: Attention | None = None, model=None):
+               *, attention, model=None):
     """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`);
-    attention: how it attends (kvcli.attention.Attention, the -fa choice; default flash on)."""
+    attention: how it attends (kvcli.attention.Attention, the -fa choice)."""
     c, s = config, spec.resolved(config, n_ctx)
     if s.mode == "hidden":
         return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, attention=attention, model=model,

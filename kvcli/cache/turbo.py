@@ -12,7 +12,7 @@ two and a multiple of the block) is
      block's squared error: candidates g max|y| / max|L| over a grid of g, each refit by least
      squares for its codes (not TurboQuant's stored norm);
   3. laid out as q4_hadamard's codes, in the tiles torch's int4 CPU GEMM reads (T = 32 or 64
-     rows as it packs them on the running CPU, kvcli/cache/int4_gemm.py), one code per nibble:
+     rows as it packs them on the running CPU, kvcli/kernels/cpu/int4_tiles.py), one code per nibble:
        keys:   tiles (n_pad / T, D, T / 2); byte (i, e, j) = element e of positions T i + j (low
                nibble) and T i + j + T / 2 (high);
        values: planes (D / W, n_pad, W / 2), W = min(T, D); byte (i, t, j) = elements W i + j
@@ -28,20 +28,11 @@ two and a multiple of the block) is
 Bits per element: b + 16 / block_size. Fixed costs, counted in `nbytes`: the sinks (N_SINK D
 f16) and offsets (D f32) per layer and head, and the padding to 64 positions.
 
-Decode (a few query rows on the CPU) with a uniform codebook, L[u] = u - mid, reads the codes as
-they lie: the packed rows are widened back to nibble tiles holding u with a few int32 bit operations
-over the chunk's bytes (no floats; none for b = 4), then torch's int4 GEMM takes the tiles with scale
-1 and zero point 8 - mid, so that its (nibble - 8) s + z is L[u]: scores d_t (q . L[u_t]) per head
-(d applied to the GEMM's output, exact in f32, where a head is one block; else the GEMM's groups
-carry d, over nibbles u + 8 - 2^(b-1) with zero point d (2^(b-1) - mid)), weighted sums
-sum_t p_t d_t L[u_t] per head with x = p d; the offset and the sinks are added outside. A decode
-write of one position (no window; with one, decode writes N + 1 positions at once, kvcli/cache/window.py)
-changes only its bits, in place, from one small matmul. Other codebooks
-dequantize. Figures: benchmarks/README.md.
-On CUDA the Triton kernels (kvcli/kernels) read and write these layouts as they lie: attention
-decodes the packed codes in registers; a prefill's write runs the scale search in a kernel and the
-store packs the codes; decode's write (one position past the sinks) is one kernel: rotation, offset,
-scale search and the position's bits.
+A decode write of one position (no window; with one, decode writes N + 1 positions at once,
+kvcli/cache/window.py) changes only its bits, in place, from one small matmul. The kernels that read
+and write these layouts as they lie are the kernel table's (kvcli/kernel_table.py): on the CPU a decode
+step's products on the packed codes through torch's int4 GEMM (kvcli/kernels/cpu/attention_tq.py); on
+CUDA the Triton attention kernel and the scale search (kvcli/kernels/gpu/), the store packing the codes.
 """
 
 from __future__ import annotations
@@ -52,11 +43,10 @@ from typing import ClassVar
 
 import torch
 
-from kvcli.attention import use_triton
-from kvcli.cache import block_products, int4_gemm
+from kvcli.kernels.cpu import int4_tiles
 from kvcli.cache.hadamard import PAD, RotatedStore, _whole_tiles
 from kvcli.errors import KvcliError
-from kvcli.kernel_layout import Kind, KernelLayout
+from kvcli.kernels.layout import Kind, KernelLayout
 from kvcli.memory import lazy_zeros
 
 GROUP = 64  # value positions packed together (S for values), = PAD: whole groups in every store
@@ -159,7 +149,7 @@ def search_scales(y: torch.Tensor, levels: torch.Tensor, steps: torch.Tensor, un
     return d.gather(0, best)[0], u.gather(0, best.expand(1, *u.shape[1:]))[0].to(torch.uint8)
 
 
-_LAYER_VIEWS = ("_data", "_scales", "_k_offsets", "_v_offsets")  # TurboStore._layer_views's attributes
+_LAYER_VIEWS = ("_data", "_scales")  # TurboStore._layer_views's attributes
 
 
 class TurboStore(RotatedStore):
@@ -184,7 +174,7 @@ class TurboStore(RotatedStore):
         super().__init__(*args, **kwargs)
         L, B, H, n, D = self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim
         self.n_pad = _whole_tiles(n)
-        self.tile = tile or int4_gemm.tile_width() or PAD
+        self.tile = tile or int4_tiles.tile_width() or PAD
         self.width = min(self.tile, D)  # W: elements per value tile
         b = self.bits
         shape = ((self.n_pad // self.tile, b * D // 4, self.tile // 2) if self.keys
@@ -203,15 +193,11 @@ class TurboStore(RotatedStore):
         self.uniform = all(v == u - self.mid for u, v in enumerate(self.levels))
         self.zero = (1 << (self.bits - 1)) - self.mid  # 0 (tread) or 1/2 (mid-rise): exact in bf16
         self._columns: dict[tuple, tuple] = {}  # _image's matrices
-        self._units: dict[tuple[int, int, bool], torch.Tensor] = {}  # _unit_scales's, made on first use
-        self._buffer: dict[str, torch.Tensor] = {}  # _scratch's, shared with `rows` views
 
     def _layer_views(self) -> None:
         """Per-layer views and read-side forms, made once (and once per `rows` view): decode runs a few dozen
         small ops per layer and token."""
         self._data, self._scales = self.data.unbind(0), self.scale.unbind(0)
-        self._k_offsets = self.offset.permute(0, 1, 3, 4, 2).unbind(0)  # (B, H, D, 1) views, for q . c
-        self._v_offsets = self.offset.transpose(2, 3).unbind(0)  # (B, H, 1, D) views
 
     def __getattr__(self, name: str):
         """A `rows` view makes its per-layer views on first use: a view that only writes a window (T > 1) never
@@ -240,13 +226,9 @@ class TurboStore(RotatedStore):
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sink, self.offset))
 
     # ---- writing ----
-    def quantize(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def quantize_reference(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """y (B, T, H, D) f32 -> codes (B, T, H, D) uint8, scales (B, T, H, D / block) f32."""
         B, T, H, D = y.shape
-        if use_triton(y):  # the scale search as one Triton kernel (imported there only: triton)
-            from kvcli.kernels.quantize import quantize_tq
-
-            return quantize_tq(self.kernel_layout(), y)
         d, u = search_scales(y.reshape(B, T, H, D // self.block_size, self.block_size), self.lv, self.steps,
                              self.uniform, self.signed)
         return u.view(B, T, H, D), d.view(B, T, H, -1)
@@ -256,27 +238,12 @@ class TurboStore(RotatedStore):
         return super().prepare(layer, x, pos)
 
     def store(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        if x.shape[1] == 1 and pos >= self.n_sink and self.ready(layer) and use_triton(x):
-            self._write_kernel(layer, x, pos)
-            return
         self.put(layer, *self.quantize(self.prepare(layer, x, pos)), pos)
-
-    def _write_kernel(self, layer: int, x: torch.Tensor, pos: int) -> None:
-        """Decode past the sinks, offset set, on CUDA: rotation, offset, scale search and this position's packed
-        bits in one Triton kernel (kvcli/kernels/quantize.py; imported here only: triton)."""
-        from kvcli.kernels.quantize import write_tq_position
-
-        write_tq_position(self.kernel_layout(), x, self.rot, self.offset[layer], self.data[layer], self.scale[layer],
-                          pos)
 
     def store_pair(self, other: "TurboStore", layer: int, x: torch.Tensor, y: torch.Tensor, pos: int) -> None:
         """K here, V in `other`, quantized in one pass (the scale search's ops run once per token)."""
         B, T, H, D = x.shape
         if T == 1 and pos >= self.n_sink and self.ready(layer) and other.ready(layer):
-            if use_triton(x):  # one kernel per store
-                self._write_kernel(layer, x, pos)
-                other._write_kernel(layer, y, pos)
-                return
             # decode past the sinks, offsets set: prepare's rotation and offsets for both at once, then each
             # store's bits of this one position
             u, d = self.quantize((torch.cat([x, y]).float() @ self.rot.T).sub_(self._both_offsets(other, layer)))
@@ -313,14 +280,14 @@ class TurboStore(RotatedStore):
             tiles = self.data[layer, :, :, t0:t1]  # (B, H, nt, b D / 4, T / 2)
             codes = self._key_codes(unpack_rows(tiles, b))
             codes[:, :, pos - tw * t0 : pos - tw * t0 + T] = u.transpose(1, 2)
-            tiles.copy_(pack_rows(int4_gemm.pack_pairs(codes.view(B, H, t1 - t0, tw, D).transpose(-1, -2)), b))
+            tiles.copy_(pack_rows(int4_tiles.pack_pairs(codes.view(B, H, t1 - t0, tw, D).transpose(-1, -2)), b))
         else:  # the touched groups of 64 positions likewise
             g0, g1 = pos // GROUP, -(-(pos + T) // GROUP)
             groups = self.data[layer, :, :, :, g0:g1]  # (B, H, D / W, ng, 16 b, W / 2)
             codes = self._value_codes(unpack_rows(groups, b))
             codes[:, :, pos - GROUP * g0 : pos - GROUP * g0 + T] = u.transpose(1, 2)
             planes = codes.view(B, H, g1 - g0, GROUP, D // W, W).permute(0, 1, 4, 2, 3, 5)
-            groups.copy_(pack_rows(int4_gemm.pack_pairs(planes), b))
+            groups.copy_(pack_rows(int4_tiles.pack_pairs(planes), b))
 
     def _put_one(self, layer: int, u: torch.Tensor, pos: int, parts: torch.Tensor | None = None) -> None:
         """u (B, H, D) uint8: the codes of position pos, into the bits that hold it (read-modify-write in place);
@@ -338,7 +305,7 @@ class TurboStore(RotatedStore):
             rows = self._data[layer][:, :, :, pos // GROUP]  # (B, H, D / W, 16 b, W / 2), a view
             s = pos % GROUP
             if b == 4:
-                rows[..., s, :] = int4_gemm.pack_pairs(u.view(B, H, D // W, W))
+                rows[..., s, :] = int4_tiles.pack_pairs(u.view(B, H, D // W, W))
                 return
             (f, r), (k, r3) = divmod(s, GROUP // 2), divmod(s, GROUP // 4)  # 2-bit field f of packed row r;
             r3 += GROUP // 2  # the third bit: bit k of packed row S / 2 + r3
@@ -387,11 +354,11 @@ class TurboStore(RotatedStore):
     # ---- reading ----
     def _key_codes(self, tiles: torch.Tensor) -> torch.Tensor:
         """Nibble tiles (B, H, nt, D, T / 2) -> the codes of their T nt positions (B, H, T nt, D) uint8."""
-        return int4_gemm.unpack_pairs(tiles).transpose(-1, -2).reshape(self.batch, self.n_heads, -1, self.head_dim)
+        return int4_tiles.unpack_pairs(tiles).transpose(-1, -2).reshape(self.batch, self.n_heads, -1, self.head_dim)
 
     def _value_codes(self, planes: torch.Tensor) -> torch.Tensor:
         """Nibble planes (B, H, D / W, ng, 64, W / 2) -> the codes of their 64 ng positions (B, H, 64 ng, D)."""
-        u = int4_gemm.unpack_pairs(planes)  # (B, H, D / W, ng, 64, W)
+        u = int4_tiles.unpack_pairs(planes)  # (B, H, D / W, ng, 64, W)
         return u.permute(0, 1, 3, 4, 2, 5).reshape(self.batch, self.n_heads, -1, self.head_dim)
 
     def codes(self, layer: int, start: int, end: int) -> torch.Tensor:
@@ -416,99 +383,8 @@ class TurboStore(RotatedStore):
         y[:, :, : sinks.shape[2]] = sinks
         return y
 
-    def _gemm_nibbles(self, packed: torch.Tensor) -> torch.Tensor:
-        """Packed rows -> nibble tiles holding u + 8 - 2^(b-1), so that the GEMM's (nibble - 8) s + zero s
-        is s (u - mid) = s L[u] exactly (a zero point of s / 2 or 0 is exact in bf16)."""
-        return unpack_rows(packed, self.bits, 8 - (1 << (self.bits - 1)))
-
-    def _unit_scales(self, groups: int, N: int, device, raw: bool = False) -> torch.Tensor:
-        """(groups, N, 2) bf16: scale 1 and a zero point, for GEMMs whose scale is applied outside (values: x
-        carries p d; keys: d multiplies the scores). raw: the nibbles are the codes u as stored (no widening
-        add): zero point 8 - mid, so that (u - 8) + 8 - mid = L[u] (exact in bf16). Made once per shape."""
-        if (groups, N, raw) not in self._units:
-            one = torch.tensor([1.0, 8 - self.mid if raw else self.zero], dtype=torch.bfloat16, device=device)
-            self._units[groups, N, raw] = one.expand(groups, N, 2).contiguous()
-        return self._units[groups, N, raw]
-
-    def _scratch(self, numel: int, device) -> torch.Tensor:
-        """A bf16 buffer of at least numel elements, kept between calls: the value GEMM's x, rewritten in
-        full every call (no allocation per layer and token)."""
-        x = self._buffer.get("x")
-        if x is None or x.numel() < numel:
-            x = self._buffer["x"] = torch.empty(numel, dtype=torch.bfloat16, device=device)
-        return x[:numel]
-
-    def gemm(self, x: torch.Tensor) -> bool:
-        """Decode products through the int4 GEMM? A uniform codebook, a few query rows on the CPU, the tile
-        width torch packs (value tiles as wide as it: W = T)."""
-        return (self.uniform and x.device.type == "cpu" and x.shape[-2] <= block_products.MAX_ROWS
-                and self.width == self.tile and int4_gemm.tile_width() == self.tile)
-
-    def scores(self, layer, q, start, end):
-        if not self.gemm(q):
-            return super().scores(layer, q, start, end)  # through load
-        B, H, R, D = q.shape
-        tw, bs, nb = self.tile, self.block_size, self.head_dim // self.block_size
-        t0, t1 = start // tw, -(-end // tw)
-        n, a, t = (t1 - t0) * tw, start - t0 * tw, end - start
-        d = self._scales[layer][..., t0 * tw : t1 * tw]  # (B, H, nb, n) bf16
-        qc = q @ self._k_offsets[layer]  # q . c (B, H, R, D) @ (B, H, D, 1), in f32
-        qb = q.to(torch.bfloat16).flatten(0, 1)
-        if nb == 1:  # a scale per position: unit scales in the GEMM on the codes as stored, d on its output
-            tiles = unpack_rows(self._data[layer][:, :, t0:t1], self.bits).flatten(0, 1)  # (B H, nt, D, T / 2)
-            unit = self._unit_scales(1, self.n_pad, q.device, raw=True)[:, :n]  # one group: K = D
-            s = torch.stack([int4_gemm.mm(x, w.view(n, D // 2), unit, bs) for x, w in zip(qb, tiles)])
-            # q . c + (q . L[u]) d, in f32 (a bf16 product is exact there)
-            s = torch.addcmul(qc, s.view(B, H, R, n)[..., a : a + t], d[..., a : a + t])
-        else:
-            tiles = self._gemm_nibbles(self._data[layer][:, :, t0:t1]).flatten(0, 1)  # (B H, nt, D, T / 2)
-            d = d.flatten(0, 1)
-            sz = torch.stack([d, d * self.zero], -1)  # scale d, zero point d zero: the GEMM gives d L[u]
-            s = torch.stack([int4_gemm.mm(x, w.view(n, D // 2), z, bs)
-                             for x, w, z in zip(qb, tiles, sz)])  # (B H, R, n) bf16
-            s = torch.add(s.view(B, H, R, n)[..., a : a + t], qc)
-        sinks = self._sinks(layer, start, end)
-        if sinks.shape[2]:
-            s[..., : sinks.shape[2]] = q @ sinks.transpose(-1, -2)
-        return s
-
-    def weighted_sum(self, layer, p, start, end):
-        if not self.gemm(p):
-            return super().weighted_sum(layer, p, start, end)
-        B, H, R, t = p.shape
-        D, bs, W = self.head_dim, self.block_size, self.width
-        g0, g1 = start // GROUP, -(-end // GROUP)
-        K, a, nb = (g1 - g0) * GROUP, start - g0 * GROUP, D // bs
-        d = self._scales[layer][..., g0 * GROUP : g1 * GROUP]  # (B, H, nb, K) bf16
-        sinks = self._sinks(layer, start, end)
-        m = sinks.shape[2]  # the sinks come from f16 below: no weight from their codes
-        if bs % W == 0:  # each block whole tiles: x = p d, one GEMM per head and block (tq: per head)
-            planes = unpack_rows(self._data[layer][:, :, :, g0:g1], self.bits)  # (B, H, D / W, ng, 64, W / 2)
-            planes = planes.reshape(B * H, D // W, K, W // 2)  # the GEMM's (N / T, K, T / 2) per head, N = D
-            x = self._scratch(B * H * nb * R * K, p.device).view(B, H, nb, R, K)
-            torch.mul(p[:, :, None], d[..., None, a : a + t], out=x[..., a : a + t])
-            x[..., : a + m] = 0  # before start, and the sinks
-            x[..., a + t :] = 0  # past end
-            unit = self._unit_scales(self.n_pad // GROUP, bs, p.device, raw=True)[: K // GROUP]
-            tb = bs // W  # tiles per block
-            out = torch.stack([int4_gemm.mm(xh[j], wh[j * tb : (j + 1) * tb].reshape(bs, K // 2), unit, GROUP)
-                               for xh, wh in zip(x.flatten(0, 1), planes) for j in range(nb)])  # (B H nb, R, bs)
-            out = out.view(B, H, nb, R, bs).transpose(2, 3).reshape(B, H, R, D)
-        else:  # blocks narrower than a tile: q4_hadamard's per-tile products, its blocks of 32
-            planes = self._gemm_nibbles(self._data[layer][:, :, :, g0:g1]).reshape(B * H, D // W, K, W // 2)
-            pw = p.clone()
-            pw[..., :m] = 0
-            d32 = d.repeat_interleave(bs // 32, 2)  # (B, H, D / 32, K)
-            unit = self._unit_scales(self.n_pad // GROUP, W, p.device).repeat_interleave(2, 0)[: K // 32]
-            out = int4_gemm.weighted_sum(pw, planes.view(B, H, D // W, K, W // 2), d32, a, a + t, unit)
-        # + c sum_t p_t past the sinks, in f32
-        out = torch.addcmul(out, p[..., m:].sum(-1, keepdim=True), self._v_offsets[layer])
-        if m:
-            out += p[..., :m] @ sinks
-        return out
-
     def kernel_layout(self) -> KernelLayout:
-        """The kernels' constants (kvcli/kernel_layout.py): codebook, scale candidates, bits, tiles; made on
+        """The kernels' constants (kvcli/kernels/layout.py): codebook, scale candidates, bits, tiles; made on
         first use and fixed for the store's life (the kernels ask once per layer and token)."""
         if getattr(self, "_layout", None) is None:
             self._layout = KernelLayout(Kind.TQ_KEYS if self.keys else Kind.TQ_VALUES, self.block_bytes,
@@ -535,8 +411,8 @@ class TQ3Store(TurboStore):
     name = "tq3"
     bits, block_size, block_bytes = 3, 64, 26  # 24 bytes of codes and a bf16 scale per 64 elements: 3.25 bits
     levels, signed = uniform_levels(3, tread=True), True  # -4 .. 3
-    default_window = 64  # KLD 0.0225 with 16, 0.0137 with 64: 1.4 MiB more on SmolLM2, whatever the context
-    default_hidden_window = 128  # x (MHA form of SmolLM2): KLD 0.0177 with 64, 0.0142 with 128
+    default_window = 64  # measured KLD per window size (benchmarks/README.md, Recent window)
+    default_hidden_window = 128  # the hidden-state cache's, measured likewise (benchmarks/README.md)
     scale_grid = tuple(round(0.64 + 0.06 * i, 2) for i in range(8))
 
 

@@ -152,14 +152,14 @@ class Ring:
         """Row b's k, v (B, 1, H / 2, D) f32 into its slot pos[b] % N as f16: on the CPU in one compiled pass over the
         ring's numpy views (a dense store's put: the same rounding as torch's), else one index write."""
         if ring.device.type == "cpu":
-            from kvcli.cache import dense_decode  # numba loads only where a CPU decode runs
+            from kvcli.kernels.cpu import quantize  # numba loads only where a CPU cache writes
 
-            if dense_decode.available():
+            if quantize.available():
                 halves = self._halves.get(layer)
                 if halves is None:
                     bits, h = ring.view(torch.uint16), ring.shape[1] // 2
                     halves = self._halves[layer] = (bits[:, :h].numpy(), bits[:, h:].numpy())
-                dense_decode.put_rows(*halves, k, v, [p % self.size for p in pos])
+                quantize.put_rows(*halves, k, v, [p % self.size for p in pos])
                 return
         slots = torch.tensor([p % self.size for p in pos], device=ring.device)
         ring[self.seqs, :, slots] = torch.cat([k, v], 2)[:, 0].to(torch.float16)
@@ -172,3 +172,37 @@ class Ring:
         B = len(pos)
         return (torch.tensor(masked, device=device).view(B, 1, 1, N),
                 torch.tensor(lims, device=device).view(B, 1, 1, 1))
+
+
+class Recent:
+    """A batch's f16 window (kvcli/cache/window.py), as attention reads it: k and v (B, Hkv, n, D) f32
+    of positions start..start+n-1 (the batch's last position is start+n-1), in the model's space. The
+    query at position i reads positions max(i - size + 1, start)..i from here, older ones from the store.
+    Rows at their own positions (a (B,) pos at decode, kvcli/cache/window.py `push_rows`): k and v hold each
+    row's whole ring in slot order (n = size); masked (B, 1, 1, n) is True where row b reads no slot, and
+    row b reads the store below lim[b] (B, 1, 1, 1); start and high: the smallest and largest lim. There
+    kv16 is the ring itself, (B, 2 Hkv, n, D) f16, K's heads then V's: a kernel reads it as it is, and k and v
+    are widened from it only when asked for (the reference's path)."""
+
+    def __init__(self, k: torch.Tensor | None, v: torch.Tensor | None, start: int, size: int,
+                 masked: torch.Tensor | None = None, lim: torch.Tensor | None = None, high: int = 0,
+                 kv16: torch.Tensor | None = None):
+        self._k, self._v, self.start, self.size = k, v, start, size
+        self.masked, self.lim, self.high, self.kv16 = masked, lim, high, kv16
+
+    @property
+    def k(self) -> torch.Tensor:
+        if self._k is None:
+            self._widen()
+        return self._k
+
+    @property
+    def v(self) -> torch.Tensor:
+        if self._v is None:
+            self._widen()
+        return self._v
+
+    def _widen(self) -> None:
+        kv = self.kv16.float()
+        h = kv.shape[1] // 2
+        self._k, self._v = kv[:, :h], kv[:, h:]

@@ -1,1 +1,1 @@
-"""The commands that live in their own files; kvcli/cli.py registers them on the app."""
+"""The commands, a file each (kvcli/cli.py registers them on the app); common.py holds what they share."""

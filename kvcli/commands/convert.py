@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from kvcli.cli_common import log, user_errors
+from kvcli.commands.common import log, user_errors
 
 
 def convert_command(

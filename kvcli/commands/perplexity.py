@@ -11,10 +11,10 @@ from typing import Optional
 
 import typer
 
-from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, WeightsOpt, ModelOpt, ThreadsOpt,
-                              WindowOpt, cache_spec,
-                              ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, parse_weights, read_prompt, resolve_model,
-                              user_errors)
+from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, WeightsOpt, ModelOpt, ThreadsOpt,
+                                   WindowOpt, cache_spec,
+                                   ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, parse_weights, read_prompt, resolve_model,
+                                   user_errors)
 from kvcli.errors import KvcliError
 from kvcli.memory import return_freed_memory
 from kvcli.kld import KLD_TABLE_HEADER, KldStats, kld_report, kld_terms

@@ -8,9 +8,9 @@ from typing import Optional
 
 import typer
 
-from kvcli.cli_common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt,
-                              WeightsOpt, WindowOpt, cache_spec, ctx_option, log, parse_device, parse_dtype,
-                              parse_flash_attn, parse_threads, parse_weights, resolve_model, user_errors)
+from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt,
+                                   WeightsOpt, WindowOpt, cache_spec, ctx_option, log, parse_device, parse_dtype,
+                                   parse_flash_attn, parse_threads, parse_weights, resolve_model, user_errors)
 from kvcli.errors import KvcliError
 
 

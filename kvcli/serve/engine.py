@@ -4,10 +4,11 @@ Each of the -np slots owns a one-sequence cache of c / np cells, built as the Ll
 slot 0's), so every cache type, the window, the hidden-state cache and the kernels work unchanged;
 K/V types that give `rows` views (every K/V type today: `KVCache.has_rows`) make the slots rows of one
 cache instead (`slot_caches`), so that a step's decode tokens attend as one batch.
-One step (llama-server's update_slots) is one forward (Transformer.forward_slots): a token for every
-decoding slot, then prompt chunks of the slots being prefilled, up to -b tokens in all, each segment
-at its own positions, so the weights are read once a step however many slots take part. A new
-request keeps the prefix its slot's cache shares with its prompt.
+One step (llama-server's update_slots) is one forward (Transformer.forward_slots, through the step's
+slots as one cache: kvcli/serve/slots.py): a token for every decoding slot, then prompt chunks of the
+slots being prefilled, up to -b tokens in all, each segment at its own positions, so the weights are
+read once a step however many slots take part. A new request keeps the prefix its slot's cache shares
+with its prompt.
 
 The loop runs in one thread (torch releases the GIL in its ops); requests arrive through `submit`
 and report back through their `emit` callback, called on the engine thread.
@@ -28,8 +29,9 @@ import torch
 from kvcli.cache import KVCache, make_cache
 from kvcli.chat import common_prefix
 from kvcli.errors import KvcliError
-from kvcli.generate import Sampler
+from kvcli.sampler import Sampler
 from kvcli.memory import MIB, check_fits
+from kvcli.serve.slots import Slots
 from kvcli.weights import warm_up as weights_warm_up
 
 GATHER_S = 0.05  # the longest an idle engine waits for a burst's requests being prepared (see Engine.preparing)
@@ -297,8 +299,9 @@ class Engine:
             tokens = torch.tensor([ids], dtype=torch.long, device=self.llm.device)
             logits = self.model(tokens, s.cache, len(s.cached), last_only=True)[0]
         else:
-            logits = self.model.forward_slots([ids for _, ids in segments], [s.cache for s, _ in segments],
-                                              [len(s.cached) for s, _ in segments])
+            positions = [len(s.cached) for s, _ in segments]
+            slots = Slots([s.cache for s, _ in segments], positions, [len(ids) for _, ids in segments])
+            logits = self.model.forward_slots([ids for _, ids in segments], slots, positions)
         logits = logits.cpu()  # (n, V): one copy for every row's sampler (its generator is a CPU one)
         dt = time.perf_counter() - t0
         if any(not s.todo for s, _ in segments):

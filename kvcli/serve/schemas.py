@@ -8,7 +8,7 @@ from typing import Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field
 
-from kvcli.generate import Sampler
+from kvcli.sampler import Sampler
 
 
 class ApiError(Exception):

@@ -1,6 +1,7 @@
 """What every command shares, written once: one-line errors, logging, the model argument, reading
-prompts, and the flags llama.cpp users type on every tool (-m, -c/--ctx, -t, -fa and the cache
-flags with their validation). A leaf of the CLI layer: it imports no command, and no torch."""
+prompts, the flags llama.cpp users type on every tool (-m, -c/--ctx, -t, -fa and the cache
+flags with their validation) and the tables commands print. A leaf of the CLI layer: it imports no
+command, and no torch."""
 
 from __future__ import annotations
 
@@ -84,6 +85,18 @@ def log(line: str) -> None:
     err.print(line, markup=False, soft_wrap=True)
 
 
+def rich_table(title: str, columns: list[str], rows: list[list[str]]):
+    """A rich Table: the first column left-aligned, the others right-aligned."""
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(c, justify="left" if c == columns[0] else "right")
+    for r in rows:
+        table.add_row(*r)
+    return table
+
+
 # ---- the model: positional, as `kvcli run model.gguf`, or -m, as llama.cpp ----
 
 ModelArg = typer.Argument(None, metavar="MODEL", show_default=False,
@@ -95,7 +108,7 @@ ModelOpt = typer.Option(None, "-m", "--model",
 def resolve_model(positional: Optional[Path], option: Optional[Path] = None) -> Path:
     """The model a command runs: the positional argument or -m (not two different ones), else the
     default model, fetched on first use."""
-    from kvcli.models import pull_default
+    from kvcli.default_model import pull_default
 
     if positional is not None and option is not None and positional != option:
         raise KvcliError(f"two models given: {positional} (argument) and {option} (-m); give one")

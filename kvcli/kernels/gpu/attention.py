@@ -8,7 +8,7 @@ blocks or dense f16/bf16/f32, dequantized in registers, and folded into an onlin
 (FlashAttention's recurrence, base 2). Decode splits the positions across programs
 (flash-decoding) and a second kernel merges the splits' (max, sum, output); prefill uses one
 split. Each store comes as its tensors and its layout record (`StoreTensors`; the record is
-kvcli.kernel_layout.KernelLayout, read by attribute): the KIND, block bytes and field offsets
+kvcli.kernels.layout.KernelLayout, read by attribute): the KIND, block bytes and field offsets
 are constexprs. q4_hadamard: q arrives rotated (the caller maps it into K's space and the
 output back out of V's), the codes are read from the store's int4 tiles of TILE positions
 (keys) or elements (values) with its bf16 scales, the first NSINK positions from the f16 sink
@@ -41,7 +41,7 @@ class StoreTensors(NamedTuple):
     or a rotated type's codes (B, Hkv, tiles...); rotated types (q4_hadamard, tq) only: scale
     (B, Hkv, D / block, n_pad) bf16, sink (B, Hkv, n_sink, D) f16, offset (B, Hkv, D) f32."""
 
-    layout: object  # kvcli.kernel_layout.KernelLayout: kind, block_bytes, *_offset, table, n_sink, tile
+    layout: object  # kvcli.kernels.layout.KernelLayout: kind, block_bytes, *_offset, table, n_sink, tile
     data: torch.Tensor
     scale: torch.Tensor | None = None
     sink: torch.Tensor | None = None

@@ -1,4 +1,9 @@
-"""The CPU's RMSNorm pass (numba), in a module of its own so that it is imported only where it runs.
+"""The CPU's RMSNorm pass (numba; kvcli/weights.py's NORM entry for f32, behind rms_norm), in a module of its own so
+that it is imported only where it runs.
+
+torch's CPU rms_norm costs ~15 us a call at decode's few rows (several ops: pow, mean, rsqrt, two products),
+and a decode step runs two a layer; this is one pass a row, its sum of squares in LANES partial sums (a fixed
+order: a row's bits do not depend on the rows beside it). Figures: benchmarks/README.md.
 
 At module level, not built in a closure: numba's on-disk cache never matches a closure's kernel, so a closure
 compiled anew in every process (~1.5 s at start) and left one more cache file behind each time.
@@ -8,7 +13,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from kvcli.cache.cpu_jit import LANES, dot, jit
+from .compile import LANES, dot, jit
 
 
 @jit

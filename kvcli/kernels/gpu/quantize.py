@@ -8,7 +8,7 @@ search writes one code per element and the block scales (`quantize_codes`); the 
 them into its tiles, where positions share bytes (a per-vector program would race on them);
 tq4/tq3/tq2's scale search likewise (`quantize_tq`), the store packing its b-bit rows.
 
-The launchers take tensors and a store's layout record (`kvcli.kernel_layout.KernelLayout`, read
+The launchers take tensors and a store's layout record (`kvcli.kernels.layout.KernelLayout`, read
 by attribute: kind, block_bytes and field offsets, table): this package imports nothing from kvcli.
 References, in the library: the stores' own PyTorch quantizers, reached through
 `kvcli.cache.ggml_blocks.quantize_reference`, `kvcli.cache.hadamard.quantize_vectors` and
@@ -25,7 +25,7 @@ import torch
 import triton
 import triton.language as tl
 
-# KIND codes (kvcli/kernel_layout.py): 0-2 dense f32/f16/bf16, 3 q8_0, 4 q4_0, 5 q4_1, 6 q5_0,
+# KIND codes (kvcli/kernels/layout.py): 0-2 dense f32/f16/bf16, 3 q8_0, 4 q4_0, 5 q4_1, 6 q5_0,
 # 7 q5_1, 8 iq4_nl, 9 q4_hadamard (codes and scales; 10, its value tiles, only for reading),
 # 11 / 12 tq keys / values (quantize_tq)
 DENSE_KINDS = (0, 1, 2)
@@ -316,78 +316,6 @@ def _tq_codes_kernel(y_ptr, syb, syt, syh, u_ptr, d_ptr, steps_ptr, lev_ptr, mid
     tl.store(d_ptr + row * NB + blk, d, mask=bmask)
 
 
-@triton.jit
-def _tq_write_kernel(x_ptr, sxb, sxh, rot_ptr, off_ptr, sob, soh, data_ptr, sdb, sdh, sc_ptr, ssb, ssh, npad, pos, H,
-                     steps_ptr, lev_ptr, mid_ptr, D: tl.constexpr, BS: tl.constexpr, NG: tl.constexpr,
-                     NL: tl.constexpr, SIGNED: tl.constexpr, UNIFORM: tl.constexpr, KEYS: tl.constexpr,
-                     BITS: tl.constexpr, TILE: tl.constexpr):
-    """Decode's write of one position per (b, h) vector x (D,), fused: y = R x - c (rot (D, D) f32, offset c),
-    _tq_search, then the codes into the bits that hold position pos of the packed rows (read-modify-write of
-    this position's nibble or bit fields; the program owns these bytes, positions of other calls share them)
-    and the bf16 scales at (blk, pos). KEYS: tiles (npad / T, BITS D / 4, T / 2), rows packing elements;
-    values: planes (D / W, npad / 64, 16 BITS, W / 2), W = TILE, rows packing positions (kvcli/cache/turbo.py)."""
-    NB: tl.constexpr = D // BS
-    HALF: tl.constexpr = TILE // 2
-    pid = tl.program_id(0)
-    h = (pid % H).to(tl.int64)
-    b = (pid // H).to(tl.int64)
-    blk = tl.arange(0, NB)
-    e = blk[:, None] * BS + tl.arange(0, BS)[None, :]  # (NB, BS)
-    # y = R x - c: r_e = sum_k R[e, k] x_k, over chunks of 32 k
-    xrow = x_ptr + b * sxb + h * sxh
-    y = tl.zeros([NB, BS], dtype=tl.float32)
-    kk = tl.arange(0, 32)
-    for k0 in tl.static_range(0, D, 32):
-        rk = tl.load(rot_ptr + e[:, :, None] * D + k0 + kk[None, None, :])  # (NB, BS, 32)
-        y += tl.sum(rk * tl.load(xrow + k0 + kk)[None, None, :], 2)
-    y = y - tl.load(off_ptr + b * sob + h * soh + e)
-    u, d = _tq_search(y, steps_ptr, lev_ptr, mid_ptr, NB, BS, NG, NL, SIGNED, UNIFORM)
-    tl.store(sc_ptr + b * ssb + h * ssh + blk * npad + pos, d.to(tl.bfloat16))
-    u = tl.reshape(u, [D])  # element order
-    base = data_ptr + b * sdb + h * sdh
-    if KEYS:  # column pos % (T / 2) of tile pos // T, the nibble of half (pos % T) // (T / 2)
-        col = base + (pos // TILE) * (BITS * D // 4 * HALF) + pos % HALF
-        sh = ((pos % TILE) // HALF) * 4
-        if BITS == 4:
-            _put_nibbles(col + tl.arange(0, D) * HALF, u, sh, 15)
-        else:  # rows r < D / 2: codes r and r + D / 2 in bit pairs; b = 3: then D / 4 rows of third bits
-            f = tl.arange(0, 2)
-            low = tl.sum((tl.reshape(u, [2, D // 2]) & 3) << (2 * f)[:, None], 0)  # (D / 2,)
-            _put_nibbles(col + tl.arange(0, D // 2) * HALF, low, sh, 15)
-            if BITS == 3:
-                k = tl.arange(0, 4)
-                high = tl.sum(((tl.reshape(u, [4, D // 4]) >> 2) & 1) << k[:, None], 0)  # (D / 4,)
-                _put_nibbles(col + (D // 2 + tl.arange(0, D // 4)) * HALF, high, sh, 15)
-    else:  # byte (e // W, pos // 64, row, e % W % (W / 2)): elements W i + j (low nibble) and W i + j + W / 2 (high)
-        pair = tl.reshape(u, [D // TILE, 2, HALF])  # (planes, nibble, byte)
-        at = (base + tl.arange(0, D // TILE)[:, None] * (npad * BITS // 4 * HALF) + (pos // 64) * (16 * BITS * HALF)
-              + tl.arange(0, HALF)[None, :])  # (planes, bytes) of packed row 0
-        s = pos % 64
-        if BITS == 4:
-            _put_nibbles(at + s * HALF, _bytes(pair, 15, 0), 0, 255)
-        else:  # field s // 32 of row s % 32; b = 3: bit s // 16 of row 32 + s % 16
-            f = s // 32
-            _put_nibbles(at + (s % 32) * HALF, _bytes(pair, 3, 0), 2 * f, 0x33)
-            if BITS == 3:
-                k = s // 16
-                _put_nibbles(at + (32 + s % 16) * HALF, _bytes(pair, 1, 2), k, 0x11)
-
-
-@triton.jit
-def _bytes(pair, mask: tl.constexpr, down: tl.constexpr):
-    """(planes, 2, W / 2) codes -> (planes, W / 2) bytes: the low nibble from element j, the high from j + W / 2,
-    each (code >> down) & mask."""
-    nib = tl.arange(0, 2)
-    return tl.sum(((pair >> down) & mask) << (4 * nib)[None, :, None], 1)
-
-
-@triton.jit
-def _put_nibbles(at, v, shift, field: tl.constexpr):
-    """Bytes at `at`: the bits of `field << shift` replaced by v << shift (the rest kept: other positions')."""
-    old = tl.load(at).to(tl.int32)
-    tl.store(at, ((old & ~(field << shift)) | (v << shift)).to(tl.uint8))
-
-
 def _unit_stride_f32(x: torch.Tensor) -> torch.Tensor:
     """x as f32 with unit stride along the head dimension (the kernels index it so)."""
     x = x.float()
@@ -461,21 +389,3 @@ def _codebook(layout, device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
     mids = tuple(((lv[1:] + lv[:-1]) / 2).tolist())
     uniform = all(v - levels[0] == u for u, v in enumerate(levels))
     return table(layout.steps, device), table(levels, device), table(mids, device), uniform
-
-
-def write_tq_position(layout, x: torch.Tensor, rot: torch.Tensor, offset: torch.Tensor, data: torch.Tensor,
-                      scale: torch.Tensor, pos: int) -> None:
-    """Decode's write, one kernel: x (B, 1, H, D) in the model's space -> y = x R^T - c (rot (D, D), offset
-    (B, 1, H, D) f32), its codes into position pos of one layer's packed rows data (B, H, ...) uint8 and its
-    scales into scale (B, H, D / block, n_pad) bf16, in place (TurboStore._put_one's bits)."""
-    B, T, H, D = x.shape
-    assert T == 1 and D % 32 == 0 and data.is_contiguous() and scale.stride(-1) == 1
-    x, rot, offset = _unit_stride_f32(x), rot.float().contiguous(), _unit_stride_f32(offset)
-    steps, levels, mids, uniform = _codebook(layout, x.device)
-    keys = layout.kind == 11  # Kind.TQ_KEYS
-    _tq_write_kernel[(B * H,)](x, x.stride(0), x.stride(2), rot, offset, offset.stride(0), offset.stride(2),
-                               data, data.stride(0), data.stride(1), scale, scale.stride(0), scale.stride(1),
-                               scale.shape[-1], pos, H, steps, levels, mids, D=D, BS=layout.scale_block,
-                               NG=len(layout.steps), NL=len(layout.table), SIGNED=layout.signed, UNIFORM=uniform,
-                               KEYS=keys, BITS=layout.bits, TILE=layout.tile,
-                               enable_fp_fusion=False)  # no FMA contraction: the reference rounds each op

@@ -11,7 +11,7 @@ and multiplied into every row, in f32. A tile is read as pairs (element e, e + 1
 high nibbles of one byte, so both bit widths share the arithmetic.
 
 This module imports nothing from kvcli. Reference: the form's dequantize() then x @ W.T in f32
-(kvcli.weights.Int4Cuda / Int8Cuda, whose matmul launches this on CUDA).
+(kvcli.weights.Blocks, whose PRODUCT entry on CUDA launches this up to KERNEL_ROWS rows).
 """
 
 from __future__ import annotations

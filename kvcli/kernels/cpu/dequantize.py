@@ -1,5 +1,5 @@
 """Int4 weight tiles dequantized to a bf16 slab of W.T in one compiled pass (numba), for the bf16 GEMM that a
-prompt's batch runs where the CPU multiplies bf16 in hardware (kvcli/weights.py, Int4.matmul).
+prompt's batch runs where the CPU multiplies bf16 in hardware (kvcli/weights.py: Int4's ROWS entry for bf16).
 
 Torch takes four passes over the slab (each nibble half widened, a multiply-add, a conversion), each through
 memory; this is one, and its bits are the same: a code (4 bits) times a bf16 scale is exact in f32, so
@@ -11,7 +11,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import available, bf16_from_f32, jit
+from .compile import available, jit
+from .vectors import bf16_from_f32
 
 __all__ = ["available", "slab_bf16_t"]
 

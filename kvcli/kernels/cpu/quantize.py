@@ -9,7 +9,7 @@ its own way), so a block's codes can differ from torch's only where an f32 sum r
 boundary or two candidates' errors tie (tests/test_hadamard.py). A block's bits do not depend on what
 else is in the call.
 
-`put` writes the codes and scales into the store's layout (kvcli/cache/hadamard.py) position by position: a
+`put_vectors` writes q4_hadamard's codes and scales into the store's layout (kvcli/cache/hadamard.py) position by position: a
 window flush is a few positions of each sequence, each at its own place, where the torch path unpacked,
 edited and repacked whole key tiles (~60 us a flush and layer; ~25 us here, the calls' overhead included).
 """
@@ -19,9 +19,10 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from kvcli.cache.cpu_jit import RNE, available, bf16_from_f32, exact_jit, jit, to_f32
+from .compile import RNE, available, exact_jit, jit
+from .vectors import bf16_from_f32, from_f32, to_f32
 
-__all__ = ["available", "put", "quantize"]
+__all__ = ["available", "put_dense", "put_rows", "put_vectors", "quantize"]
 
 BLOCK = 32
 
@@ -89,7 +90,7 @@ def quantize(y: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, torch.Ten
 
 
 @jit
-def _put(data, scale, u, d, rows, pos, keys):
+def _put_vectors(data, scale, u, d, rows, pos, keys):
     """Entry m's codes u[m] (H, D) uint8 and scales d[m] (H, D / 32) f32 (bf16 values) -> sequence rows[m] at position
     pos[m] of a layer's data, keys (B, H, n_pad / T, D, T / 2) or values (B, H, D / W, n_pad, W / 2), uint8, and
     scale (B, H, D / 32, n_pad), bf16 bits (int16); keys: which layout data is."""
@@ -119,8 +120,35 @@ def _put(data, scale, u, d, rows, pos, keys):
                         data[b, h, i, p, j] = u[m, h, e] | (u[m, h, e + W2] << np.uint8(4))
 
 
-def put(data: np.ndarray, scale: np.ndarray, u: torch.Tensor, d: torch.Tensor, rows: np.ndarray, pos: np.ndarray,
+def put_vectors(data: np.ndarray, scale: np.ndarray, u: torch.Tensor, d: torch.Tensor, rows: np.ndarray, pos: np.ndarray,
         keys: bool) -> None:
     """u (M, H, D) uint8 codes, d (M, H, D / 32) f32 scales of M vectors, vector m to sequence rows[m] at position
     pos[m] (int64 arrays) of a layer's data and scale arrays (the store's own bytes: numpy views)."""
-    _put(data, scale, u.contiguous().numpy(), d.float().contiguous().numpy(), rows, pos, keys)
+    _put_vectors(data, scale, u.contiguous().numpy(), d.float().contiguous().numpy(), rows, pos, keys)
+
+
+# ---- dense writes: f32 rows rounded to a dense store's elements (f16, bf16 bits, f32) in place ----
+@jit
+def _put_dense(kdat, vdat, knew, vnew, pos):
+    """knew, vnew (B, 1, H, D) f32 -> kdat, vdat (B, H, n_ctx, D) (as in _attend) at position pos[b] of sequence b."""
+    B, _, H, D = knew.shape
+    for b in range(B):
+        p = pos[b]
+        for h in range(H):
+            for e in range(D):
+                kdat[b, h, p, e] = from_f32(knew[b, 0, h, e], kdat[b, h, p, e])
+                vdat[b, h, p, e] = from_f32(vnew[b, 0, h, e], vdat[b, h, p, e])
+
+
+def put_dense(kdat: np.ndarray, vdat: np.ndarray, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
+    """One new token per sequence (k, v (B, 1, Hkv, D) f32, any strides) into a dense K and V store layer's arrays
+    kdat, vdat (B, Hkv, n_ctx, D: f32, f16 bits as uint16, bf16 bits as int16) at pos, an int or (B,) each sequence's
+    own, in one compiled pass: the bits torch's conversions give, without their dozen ops."""
+    p = pos.numpy() if torch.is_tensor(pos) else np.full(k.shape[0], pos, np.int64)
+    _put_dense(kdat, vdat, k.numpy(), v.numpy(), p)
+
+
+def put_rows(kbits: np.ndarray, vbits: np.ndarray, k: torch.Tensor, v: torch.Tensor, slots: list[int]) -> None:
+    """k, v (B, 1, Hkv, D) f32 -> kbits, vbits (B, Hkv, n, D) f16 bits (any strides: a window's halves) at slot slots[b]
+    of row b, rounded as torch's conversion."""
+    _put_dense(kbits, vbits, k.numpy(), v.numpy(), np.array(slots, np.int64))

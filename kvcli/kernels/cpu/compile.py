@@ -1,0 +1,129 @@
+"""What the CPU kernels (numba) share: the compile flags, numba's on-disk cache, fixed-order sums. Every llvmlite
+line (the intrinsics: 16-bit floats, exp, prefetch, vector products) is in vectors.py.
+
+A row's sums run in one fixed order whatever shares the call: LANES partial sums added in order (`dot`), or
+LLVM's reassociation of a compiled loop (jit_reassociating: one order per loop as compiled), so the server's
+sequences get the same bits alone and beside others.
+
+Under KVCLI_ISA=portable|x86|avx2 (kvcli/kernel_table.py: the switch that makes a CPU with more act as one with
+less), numba compiles for that level's CPU (NUMBA_CPU_NAME and _FEATURES, set here before numba loads unless
+given; numba's cache keys on them): the
+kernels' generic LLVM vectors then become the instructions such a CPU has, not this one's.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import platform
+from pathlib import Path
+
+import numpy as np
+
+# KVCLI_ISA -> LLVM's CPU name and features (x86-64): without features numba adds the host's own (AVX-512 here)
+_LLVM_CPU = {"portable": ("x86-64", "+sse2"), "x86": ("x86-64-v2", "+ssse3,+sse4.2,+popcnt"),
+             "avx2": ("haswell", "+avx2,+fma,+f16c,+bmi2")}
+if (os.environ.get("KVCLI_ISA", "").lower() in _LLVM_CPU and "NUMBA_CPU_NAME" not in os.environ
+        and platform.machine().lower() in ("x86_64", "amd64")):
+    os.environ["NUMBA_CPU_NAME"], os.environ["NUMBA_CPU_FEATURES"] = _LLVM_CPU[os.environ["KVCLI_ISA"].lower()]
+
+try:  # an optional speed-up: without numba, attention runs torch's reference path
+    import numba
+except ImportError:  # pragma: no cover - numba is a dependency; kept optional for odd platforms
+    numba = None
+
+
+def drop_stale_kernels(folder: Path = Path(__file__).resolve().parent) -> None:
+    """numba keys a kernel's cache on its own file's time stamp only: a kernel compiled against an older version of
+    the shared intrinsics and flags (this file and vectors.py) would load as it was (a `git pull` that changes only
+    those; seen here: an attention kernel returning wrong values). So the compiled kernels in this folder's
+    __pycache__ are dropped whenever those files' contents change (a stamp of them kept there). A read-only install
+    is left alone: installing wrote every file anew, and its caches live elsewhere. The one place numba's cache is
+    handled."""
+    stamp = hashlib.sha1(b"".join((folder / name).read_bytes() for name in SHARED if (folder / name).exists()))
+    mark = folder / "__pycache__" / "kernels.stamp"
+    try:
+        if mark.read_text() == stamp.hexdigest():
+            return
+    except OSError:
+        pass
+    try:
+        for f in (folder / "__pycache__").glob("*.nb[ic]"):
+            f.unlink(missing_ok=True)
+        mark.parent.mkdir(exist_ok=True)
+        mark.write_text(stamp.hexdigest())
+    except OSError:
+        pass
+
+
+SHARED = ("compile.py", "vectors.py")  # the files every kernel's compiled code depends on
+
+
+if numba is not None:
+    drop_stale_kernels()
+
+
+def available() -> bool:
+    return numba is not None
+
+
+def _openmp() -> bool:
+    """numba's OpenMP threading layer loads: a parallel region is cheap there (its threads spin between regions), and
+    in numba's own workqueue (they sleep) too slow for decode's short products (benchmarks/README.md)."""
+    try:
+        from numba.np.ufunc import omppool  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
+THREADED = numba is not None and _openmp()
+if THREADED:
+    numba.config.THREADING_LAYER = "omp"
+
+
+# LLVM's fast-math flags less "no infinities" and "no NaNs" (masked scores are -inf) and reassociation
+FAST = {"contract", "arcp", "nsz", "afn"}
+LANES = 16  # a sum's partial sums: a fixed order (the same bits for any batch) that still fills a vector
+VEC = 16  # f32 lanes of the intrinsics' vectors (ir_*): one AVX-512 register
+
+
+def jit(f):
+    return numba.njit(cache=True, nogil=True, fastmath=FAST)(f) if numba is not None else f
+
+
+def jit_reassociating(f):
+    """jit, with sums reassociated as LLVM likes (vectorized): still one fixed order per compiled loop, so a row's
+    bits stay the same whatever shares the call (the tests check it)."""
+    return numba.njit(cache=True, nogil=True, fastmath=FAST | {"reassoc"})(f) if numba is not None else f
+
+
+def jit_threaded(f):
+    """jit with numba.prange loops run in threads (OpenMP): only where THREADED."""
+    return numba.njit(cache=True, nogil=True, fastmath=FAST, parallel=True)(f) if THREADED else f
+
+
+def exact_jit(f):
+    """numba without reassociation, reciprocals or contraction: divisions divided, products rounded apart from the
+    sums, as torch's ops (what a test reproduces bit for bit). numpy's error model: a division is not checked for
+    zero (that check keeps a loop from vectorizing; the callers' divisors are never zero)."""
+    if numba is None:
+        return f
+    return numba.njit(cache=True, nogil=True, error_model="numpy", fastmath={"nnan", "ninf", "nsz"})(f)
+
+
+# v + RNE - RNE is v rounded half to even for |v| < 2^22: a vector op, where np.rint is a libm call an element
+RNE = np.float32(1.5 * 2**23)
+
+
+@jit
+def dot(x, y, n, lanes):
+    """sum_e x[e] y[e] over e < n (n a multiple of LANES) in LANES partial sums, added in order; lanes: scratch."""
+    lanes[:] = 0
+    for e0 in range(0, n, LANES):
+        for l in range(LANES):
+            lanes[l] += x[e0 + l] * y[e0 + l]
+    a = np.float32(0)
+    for l in range(LANES):
+        a += lanes[l]
+    return a

@@ -1,0 +1,785 @@
+"""Every llvmlite line of the CPU kernels: numba intrinsics written as LLVM IR, one helper per idea.
+
+Scalars the kernels read and write (16-bit floats, exp, prefetch), vector helpers (an address, a load, a splat, a
+widening of bf16, sums kept in registers over a loop), and the kernels' vector bodies built from them. Generic LLVM
+vectors (VEC f32 lanes) run on any CPU LLVM targets (AVX-512: one register; AVX2: two; others: more); an
+x86-specific intrinsic is named as such where it is used, and its kernel's table entry says which ISA it needs.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from .compile import VEC, numba
+
+if numba is not None:
+    from llvmlite import ir
+    from numba import types
+    from numba.core import cgutils
+    from numba.extending import intrinsic, overload
+
+
+def to_f32(x):
+    """An element of a dense store as f32: f32 as is, f16 (passed as uint16 bits, numba has no float16 on CPUs)
+    through LLVM's half type (vectorized as the CPU's conversion instruction), bf16 (int16 bits) shifted."""
+    raise NotImplementedError  # compiled only (the overload below)
+
+
+def exp_f32(x):
+    """e^x in f32 for x <= 0 (a softmax's exponents; -inf gives 0) as plain arithmetic, so that a loop of them
+    vectorizes (np.exp is a libm call an element: 15x the time). Within 2 ulp of e^x; 0 below x ~ -87.4, where
+    e^x leaves f32's normal range."""
+    raise NotImplementedError  # compiled only (the overload below)
+
+
+def prefetch(a, i):
+    """Ask for the cache line of element i of the contiguous array a (LLVM's prefetch: read, kept in every level): no
+    result, no fault past the end or anywhere else. For reads the CPU's own prefetcher does not see coming (another
+    stream's start)."""
+    raise NotImplementedError  # compiled only (the intrinsic below)
+
+
+def hadamard16(x, i):
+    """x[i:i+16] <- H16 x[i:i+16] in place (Sylvester's Hadamard matrix of order 16, unnormalised; x f32, C order): four
+    butterfly levels as vector shuffles (a numba loop over them stays scalar), the last levels of a longer transform."""
+    raise NotImplementedError  # compiled only (the intrinsic below)
+
+
+def butterfly16(x, j, d):
+    """x[j + l], x[j + d + l] <- their sum, their difference for l < 16 (x f32, C order): one level of a longer
+    Walsh-Hadamard transform, 16 pairs as two vectors."""
+    raise NotImplementedError  # compiled only (the intrinsic below)
+
+
+def from_f32(x, like):
+    """f32 x as an element of the dense store whose elements are like `like`: f32 as is, f16 bits (uint16)
+    through LLVM's half type and bf16 bits (int16), both rounded to nearest even as torch's conversions."""
+    raise NotImplementedError  # compiled only (the overload below)
+
+
+if numba is not None:
+
+    @intrinsic
+    def _f32_from_f16(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.fpext(builder.bitcast(args[0], ir.HalfType()), ir.FloatType())
+
+        return types.float32(types.uint16), codegen
+
+    @intrinsic
+    def _f32_from_bf16(typingctx, x):
+        def codegen(context, builder, signature, args):
+            w = builder.shl(builder.zext(args[0], ir.IntType(32)), ir.Constant(ir.IntType(32), 16))
+            return builder.bitcast(w, ir.FloatType())
+
+        return types.float32(types.int16), codegen
+
+    @intrinsic
+    def bf16_from_f32(typingctx, x):
+        """f32 -> bf16 bits (uint16), rounded to nearest even as torch's conversion rounds (finite values)."""
+
+        def codegen(context, builder, signature, args):
+            i32 = ir.IntType(32)
+            u = builder.bitcast(args[0], i32)
+            odd = builder.and_(builder.lshr(u, ir.Constant(i32, 16)), ir.Constant(i32, 1))
+            r = builder.add(builder.add(u, ir.Constant(i32, 0x7FFF)), odd)
+            return builder.trunc(builder.lshr(r, ir.Constant(i32, 16)), ir.IntType(16))
+
+        return types.uint16(types.float32), codegen
+
+    @intrinsic
+    def _f16_from_f32(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return builder.bitcast(builder.fptrunc(args[0], ir.HalfType()), ir.IntType(16))
+
+        return types.uint16(types.float32), codegen
+
+    @intrinsic
+    def _bf16_bits_signed(typingctx, x):
+        def codegen(context, builder, signature, args):
+            return args[0]  # the same 16 bits, typed as a bf16 store's int16
+
+        return types.int16(types.uint16), codegen
+
+    @intrinsic
+    def _exp_f32(typingctx, x):
+        def codegen(context, builder, signature, args):
+            f32, i32 = ir.FloatType(), ir.IntType(32)
+            c = lambda v: ir.Constant(f32, v)  # noqa: E731
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+            x = args[0]
+            x = builder.select(builder.fcmp_ordered(">", x, c(-104.0)), x, c(-104.0))  # -inf too
+            x = builder.select(builder.fcmp_ordered("<", x, c(88.0)), x, c(88.0))
+            # x = n ln2 + r, |r| <= ln2 / 2; n by llvm.rint (a vector round; the 1.5 2^23 trick would not survive the
+            # reassociating kernels' fast-math, which numba puts on every instruction of a function)
+            rint = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32]), "llvm.rint.f32")
+            n = builder.call(rint, [builder.fmul(x, c(1.4426950408889634))])
+            r = builder.call(fma, [n, c(-0.693145751953125), x])  # ln2's high part: n ln2_hi exact
+            r = builder.call(fma, [n, c(-1.4286068203094172e-06), r])
+            p = c(1 / 720)  # e^r's Taylor series to r^6 (its remainder < 1.3e-7 of it)
+            for k in (120, 24, 6, 2, 1, 1):
+                p = builder.call(fma, [p, r, c(1 / k)])
+            ni = builder.fptosi(n, i32)
+            two_n = builder.bitcast(builder.shl(builder.add(ni, ir.Constant(i32, 127)), ir.Constant(i32, 23)), f32)
+            tiny = builder.icmp_signed("<", ni, ir.Constant(i32, -126))  # 2^n below f32's normals
+            return builder.select(tiny, c(0.0), builder.fmul(p, two_n))
+
+        return types.float32(types.float32), codegen
+
+    @intrinsic
+    def _prefetch(typingctx, a, i):
+        def codegen(context, builder, signature, args):
+            i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                                "llvm.prefetch")
+            at = builder.bitcast(builder.gep(data, [args[1]]), i8p)
+            builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+            return context.get_dummy_value()
+
+        return types.none(a, types.int64), codegen
+
+    @intrinsic
+    def _hadamard16(typingctx, x, i):
+        def codegen(context, builder, signature, args):
+            f32, i1, i32 = ir.FloatType(), ir.IntType(1), ir.IntType(32)
+            vf = ir.VectorType(f32, 16)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            at = builder.bitcast(builder.gep(data, [args[1]]), vf.as_pointer())
+            v = builder.load(at, align=4)
+            for d in (1, 2, 4, 8):  # lane l pairs with l ^ d: the lower one takes a + b, the upper a - b
+                p = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(i32, 16), [l ^ d for l in range(16)]))
+                lower = ir.Constant(ir.VectorType(i1, 16), [int(not l & d) for l in range(16)])
+                v = builder.select(lower, builder.fadd(v, p), builder.fsub(p, v))
+            builder.store(v, at, align=4)
+            return context.get_dummy_value()
+
+        return types.none(x, types.int64), codegen
+
+    @intrinsic
+    def _butterfly16(typingctx, x, j, d):
+        def codegen(context, builder, signature, args):
+            vf = ir.VectorType(ir.FloatType(), 16)
+            data = context.make_array(signature.args[0])(context, builder, args[0]).data
+            lo = builder.bitcast(builder.gep(data, [args[1]]), vf.as_pointer())
+            hi = builder.bitcast(builder.gep(data, [builder.add(args[1], args[2])]), vf.as_pointer())
+            a, c = builder.load(lo, align=4), builder.load(hi, align=4)
+            builder.store(builder.fadd(a, c), lo, align=4)
+            builder.store(builder.fsub(a, c), hi, align=4)
+            return context.get_dummy_value()
+
+        return types.none(x, types.int64, types.int64), codegen
+
+    @overload(butterfly16, inline="always")
+    def _butterfly16_overload(x, j, d):
+        if isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" and x.ndim == 1:
+            return lambda x, j, d: _butterfly16(x, np.int64(j), np.int64(d))
+        return None
+
+    @overload(hadamard16, inline="always")
+    def _hadamard16_overload(x, i):
+        if isinstance(x, types.Array) and x.dtype == types.float32 and x.layout == "C" and x.ndim == 1:
+            return lambda x, i: _hadamard16(x, np.int64(i))
+        return None
+
+    @overload(prefetch, inline="always")
+    def _prefetch_overload(a, i):
+        if isinstance(a, types.Array):  # i counts from the first element in memory (a hint: any address is safe)
+            return lambda a, i: _prefetch(a, np.int64(i))
+        return None
+
+    @overload(exp_f32, inline="always")
+    def _exp_f32_overload(x):
+        if isinstance(x, types.Float):
+            return lambda x: _exp_f32(np.float32(x))
+        return None
+
+    @overload(from_f32, inline="always")
+    def _from_f32(x, like):
+        if like == types.float32:
+            return lambda x, like: x
+        if like == types.uint16:
+            return lambda x, like: _f16_from_f32(x)
+        if like == types.int16:
+            return lambda x, like: _bf16_bits_signed(bf16_from_f32(x))
+        return None
+
+    @overload(to_f32, inline="always")
+    def _to_f32(x):
+        if x == types.float32:
+            return lambda x: x
+        if x == types.uint16:
+            return lambda x: _f32_from_f16(x)
+        if x == types.int16:
+            return lambda x: _f32_from_bf16(x)
+        return None
+
+    # ---- LLVM vector IR for the kernels' intrinsics (hadamard_decode): VEC f32 lanes at a time ----
+    _F32, _I32, _I64 = ir.FloatType(), ir.IntType(32), ir.IntType(64)
+    FLOATS, INTS = ir.VectorType(_F32, VEC), ir.VectorType(_I32, VEC)
+
+    def ir_at(builder, arr, *index):
+        """The address (i64) of arr[index...] (an array's leading indices: what follows is contiguous)."""
+        addr = builder.ptrtoint(arr.data, _I64)
+        for i, stride in zip(index, cgutils.unpack_tuple(builder, arr.strides)):
+            addr = builder.add(addr, builder.mul(i, stride))
+        return addr
+
+    def ir_load(builder, addr, ty):
+        return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=1)
+
+    def ir_store(builder, value, addr):
+        builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
+
+    def ir_splat(builder, x):
+        """f32 x in every lane."""
+        v = builder.insert_element(ir.Constant(FLOATS, None), x, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(v, v, ir.Constant(INTS, [0] * VEC))
+
+    def ir_fma(builder):
+        return cgutils.get_or_insert_function(builder.module, ir.FunctionType(FLOATS, [FLOATS] * 3),
+                                              f"llvm.fma.v{VEC}f32")
+
+    def ir_bf16(builder, addr):
+        """VEC bf16 values (int16 bits) at addr as f32: each shifted into an f32's high half."""
+        bits = ir_load(builder, addr, ir.VectorType(ir.IntType(16), VEC))
+        return builder.bitcast(builder.shl(builder.zext(bits, INTS), ir.Constant(INTS, [16] * VEC)), FLOATS)
+
+    def ir_sums_loop(builder, count, n, step):
+        """n vector sums kept in registers over a loop of `count` (i64) steps: step(i, sums) -> the new sums.
+        Returns the final sums (zeros where count is 0)."""
+        zero = ir.Constant(FLOATS, [0.0] * VEC)
+        slots = [cgutils.alloca_once(builder, FLOATS) for _ in range(n)]  # promoted to registers by LLVM
+        for a in slots:
+            builder.store(zero, a)
+        with cgutils.for_range(builder, count) as loop:
+            new = step(loop.index, [builder.load(a) for a in slots])
+            for a, v in zip(slots, new):
+                builder.store(v, a)
+        return [builder.load(a) for a in slots]
+
+
+# ---- q4_hadamard's products over 4-bit codes (attention_rotated.py) ----
+NIBBLE_BYTES = VEC  # code bytes one vector step reads: two nibbles each
+
+
+def nibble_key_scores(kt, k, c, q, qsum, g0, dk, s, col):
+    """Compiled only (nibble_key_scores1..4, a group of 1-4 query heads g0..): block k's part of the scores of
+    2 NIBBLE_BYTES positions of a key tile kt (D, T / 2): with p_l = sum over the block's dimensions e = 32 k + i of
+    q[g0 + g, e] times the low nibble of kt[e, NIBBLE_BYTES c + l] (high: h_l), s[g0 + g, col + NIBBLE_BYTES c + l] += d_l (p_l - 8
+    qsum[g0 + g, k]) and s[g0 + g, col + T / 2 + NIBBLE_BYTES c + l] += d'_l (h_l - 8 qsum[g0 + g, k]), d and d' the
+    positions' block-k scales in dk (T,) bf16 bits (int16), the tile's. The codes are widened once for the group;
+    the sums stay in vector registers."""
+    raise NotImplementedError
+
+
+def nibble_value_sums(vt, t0, t1, c, s, col_s, dlo, dhi, g0, acc, col):
+    """Compiled only (nibble_value_sums1..4, a group of 1-4 query heads g0..): over positions t0 <= t < t1 of a
+    value tile vt (n_pad, W / 2), with p = s[g0 + g, col_s + t] (the position's weight), acc[g0 + g, col + NIBBLE_BYTES c + l]
+    += p dlo[t] (u - 8) for u the low nibble of vt[t, NIBBLE_BYTES c + l], and acc[g0 + g, col + W / 2 + NIBBLE_BYTES c + l] the
+    high nibble's with dhi[t]; dlo, dhi (n_pad,) the blocks' scales, bf16 bits (int16). The sums stay in vector
+    registers over the positions."""
+    raise NotImplementedError
+
+
+if numba is not None:
+    _F32, _I8, _I32, _I64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+    _BYTES = ir.VectorType(_I8, NIBBLE_BYTES)
+
+    def _nibbles(builder, addr):
+        """NIBBLE_BYTES code bytes at addr -> their low and high nibbles as f32 vectors."""
+        wide = builder.zext(ir_load(builder, addr, _BYTES), INTS)
+        return [builder.sitofp(builder.and_(wide, ir.Constant(INTS, [15] * NIBBLE_BYTES)), FLOATS),
+                builder.sitofp(builder.lshr(wide, ir.Constant(INTS, [4] * NIBBLE_BYTES)), FLOATS)]
+
+    def _sums_loop(builder, count, groups, step):
+        """ir_sums_loop of a low and a high sum for each of `groups` query heads."""
+        return ir_sums_loop(builder, count, 2 * groups, step)
+
+    def _key_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            kt, q, qsum, dk, sc = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 3, 4, 6, 7))
+            k, c, g0, col = args[1], args[2], args[5], args[8]
+            col_c = builder.mul(c, ir.Constant(_I64, NIBBLE_BYTES))
+            e0 = builder.mul(k, ir.Constant(_I64, 32))
+            fma = ir_fma(builder)
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+
+            def step(i, sums):
+                e = builder.add(e0, i)
+                lo, hi = _nibbles(builder, ir_at(builder, kt, e, col_c))
+                out = []
+                for g in range(ng):
+                    qe = ir_splat(builder, ir_load(builder, ir_at(builder, q, rows[g], e), _F32))
+                    out += [builder.call(fma, [qe, lo, sums[2 * g]]), builder.call(fma, [qe, hi, sums[2 * g + 1]])]
+                return out
+
+            sums = _sums_loop(builder, ir.Constant(_I64, 32), ng, step)
+            half = cgutils.unpack_tuple(builder, kt.shape)[1]
+            for j, at in enumerate((col_c, builder.add(half, col_c))):  # the low nibbles' positions, the high ones'
+                d = ir_bf16(builder, ir_at(builder, dk, at))  # the positions' scales
+                for g in range(ng):
+                    qk = ir_load(builder, ir_at(builder, qsum, rows[g], k), _F32)
+                    bias = builder.fmul(ir.Constant(_F32, 8.0), qk)
+                    addr = ir_at(builder, sc, rows[g], builder.add(col, at))
+                    p = builder.fsub(sums[2 * g + j], ir_splat(builder, bias))
+                    ir_store(builder, builder.call(fma, [d, p, ir_load(builder, addr, FLOATS)]), addr)
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _bf16(builder, addr):
+        """The bf16 (int16 bits) at addr as f32."""
+        bits = builder.zext(ir_load(builder, addr, ir.IntType(16)), _I32)
+        return builder.bitcast(builder.shl(bits, ir.Constant(_I32, 16)), _F32)
+
+    def _value_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            vt, sc, dlo, dhi, acc = (context.make_array(sig.args[j])(context, builder, args[j])
+                                     for j in (0, 4, 6, 7, 9))
+            t0, t1, c, col_s, g0, col = (args[j] for j in (1, 2, 3, 5, 8, 10))
+            byte = builder.mul(c, ir.Constant(_I64, NIBBLE_BYTES))
+            fma = ir_fma(builder)
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+            eight = ir.Constant(FLOATS, [8.0] * NIBBLE_BYTES)
+
+            def step(i, sums):
+                t = builder.add(t0, i)
+                lo, hi = (builder.fsub(u, eight) for u in _nibbles(builder, ir_at(builder, vt, t, byte)))
+                d = [_bf16(builder, ir_at(builder, a, t)) for a in (dlo, dhi)]
+                out = []
+                for g in range(ng):
+                    p = ir_load(builder, ir_at(builder, sc, rows[g], builder.add(col_s, t)), _F32)
+                    wl, wh = (ir_splat(builder, builder.fmul(p, x)) for x in d)
+                    out += [builder.call(fma, [wl, lo, sums[2 * g]]), builder.call(fma, [wh, hi, sums[2 * g + 1]])]
+                return out
+
+            sums = _sums_loop(builder, builder.sub(t1, t0), ng, step)
+            half = cgutils.unpack_tuple(builder, vt.shape)[1]
+            for g in range(ng):
+                for j, at in enumerate((builder.add(col, byte), builder.add(builder.add(col, half), byte))):
+                    addr = ir_at(builder, acc, rows[g], at)
+                    ir_store(builder, builder.fadd(ir_load(builder, addr, FLOATS), sums[2 * g + j]), addr)
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _key_intrinsic(ng: int):
+        def typer(typingctx, kt, k, c, q, qsum, g0, dk, s, col):
+            return (types.none(kt, types.int64, types.int64, q, qsum, types.int64, dk, s, types.int64),
+                    _key_codegen(ng))
+
+        return intrinsic(typer)
+
+    def _value_intrinsic(ng: int):
+        def typer(typingctx, vt, t0, t1, c, s, col_s, dlo, dhi, g0, acc, col):
+            return (types.none(vt, types.int64, types.int64, types.int64, s, types.int64, dlo, dhi, types.int64, acc,
+                               types.int64), _value_codegen(ng))
+
+        return intrinsic(typer)
+
+    nibble_key_scores1, nibble_key_scores2, nibble_key_scores3, nibble_key_scores4 = (_key_intrinsic(g) for g in (1, 2, 3, 4))
+    nibble_value_sums1, nibble_value_sums2, nibble_value_sums3, nibble_value_sums4 = (_value_intrinsic(g) for g in (1, 2, 3, 4))
+
+
+# ---- ggml blocks widened to f32 (attention.py) ----
+def widen_block(rows, t, col, buf, bt, bcol, d, *fields):
+    """Compiled only (widen_q8_0, widen_nibbles, widen_iq4_nl): buf[bt, bcol : bcol + 32] = the 32 elements of the
+    ggml block whose codes start at byte col of rows[t] (rows (n, row_bytes), a row's bytes contiguous; buf (n', D)
+    f32), as LLVM vectors (numba's own loop over a block stays scalar at these strides): widen_q8_0(..., d): 32 int8
+    codes times d; widen_nibbles(..., d, m, bias, qh): 16 bytes, their low nibbles (elements 0..15) then their high
+    ones (16..31), each with bit j of qh (the block's fifth bits; 0 where the type has none) as its bit 4, as
+    d (u - bias) + m in one fma; widen_iq4_nl(..., d, tab): the nibbles looked up in the int8 codebook tab (16 bytes)
+    by one byte shuffle (SSSE3's pshufb: x86 only), times d."""
+    raise NotImplementedError
+
+
+if numba is not None:
+
+    def _block_codegen(kind: str):
+        """widen_block's body for kind "q8_0", "nibbles" or "iq4_nl"."""
+
+        def codegen(context, builder, sig, args):
+            f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+            rows, buf = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 3))
+            t, col, bt, bcol, d = args[1], args[2], args[4], args[5], args[6]
+            rs, bs = cgutils.unpack_tuple(builder, rows.strides, 2), cgutils.unpack_tuple(builder, buf.strides, 2)
+            src = builder.add(builder.ptrtoint(rows.data, i64), builder.add(builder.mul(t, rs[0]), col))
+            dst = builder.add(builder.ptrtoint(buf.data, i64),
+                              builder.add(builder.mul(bt, bs[0]), builder.mul(bcol, ir.Constant(i64, 4))))
+            n = 32 if kind == "q8_0" else 16
+            vi, vf = ir.VectorType(i32, n), ir.VectorType(f32, n)
+
+            def splat(x, ty):
+                v = builder.insert_element(ir.Constant(ty, None), x, ir.Constant(i32, 0))
+                return builder.shuffle_vector(v, v, ir.Constant(vi, [0] * n))
+
+            def const(v):
+                return ir.Constant(vi, v if isinstance(v, list) else [v] * n)
+
+            codes = builder.load(builder.inttoptr(src, ir.VectorType(i8, n).as_pointer()), align=1)
+            dv = splat(d, vf)
+            if kind == "q8_0":
+                parts = [builder.fmul(builder.sitofp(builder.sext(codes, vi), vf), dv)]
+            elif kind == "iq4_nl":  # pshufb: byte l of the table at each nibble
+                vb = ir.VectorType(i8, n)
+                shuffle = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vb, [vb, vb]),
+                                                         "llvm.x86.ssse3.pshuf.b.128")
+                table = builder.load(builder.bitcast(context.make_array(sig.args[7])(context, builder, args[7]).data,
+                                                     vb.as_pointer()), align=1)
+                low = builder.and_(codes, ir.Constant(vb, [15] * n))
+                high = builder.lshr(codes, ir.Constant(vb, [4] * n))
+                parts = [builder.fmul(builder.sitofp(builder.sext(builder.call(shuffle, [table, h]), vi), vf), dv)
+                         for h in (low, high)]
+            else:
+                m, bias, qh = args[7], builder.trunc(args[8], i32), splat(builder.trunc(args[9], i32), vi)
+                wide = builder.zext(codes, vi)
+                halves = [builder.and_(wide, const(15)), builder.lshr(wide, const(4))]
+                mv, bv = splat(m, vf), splat(bias, vi)
+                fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{n}f32")
+                parts = []
+                for j, h in enumerate(halves):  # element 16 j + l takes bit 16 j + l of qh as its bit 4
+                    fifth = builder.shl(builder.and_(builder.lshr(qh, const(list(range(16 * j, 16 * j + n)))),
+                                                     const(1)), const(4))
+                    u = builder.sitofp(builder.sub(builder.or_(h, fifth), bv), vf)
+                    parts.append(builder.call(fma, [dv, u, mv]))
+            for j, part in enumerate(parts):
+                at = builder.inttoptr(builder.add(dst, ir.Constant(i64, 4 * n * j)), vf.as_pointer())
+                builder.store(part, at, align=4)
+            return context.get_dummy_value()
+
+        return codegen
+
+    @intrinsic
+    def widen_q8_0(typingctx, rows, t, col, buf, bt, bcol, d):
+        return types.none(rows, types.int64, types.int64, buf, types.int64, types.int64, types.float32), \
+            _block_codegen("q8_0")
+
+    @intrinsic
+    def widen_iq4_nl(typingctx, rows, t, col, buf, bt, bcol, d, tab):
+        return types.none(rows, types.int64, types.int64, buf, types.int64, types.int64, types.float32, tab), \
+            _block_codegen("iq4_nl")
+
+    @intrinsic
+    def widen_nibbles(typingctx, rows, t, col, buf, bt, bcol, d, m, bias, qh):
+        return types.none(rows, types.int64, types.int64, buf, types.int64, types.int64, types.float32,
+                          types.float32, types.int64, types.int64), _block_codegen("nibbles")
+
+
+def dense_key_scores(kc, n, q, g0, s, scale, pf, at, npf):
+    """Compiled only (dense_key_scores1..4, a group of 1-4 query heads g0..): s[g0 + g, t] = scale (q[g0 + g] . kc[t])
+    for t < n, kc (n', D) a chunk of key rows as they lie (f32, f16 bits as uint16, bf16 bits as int16), q (G, D)
+    f32, D a multiple of VEC. A row's VEC elements are loaded and widened once for the group, its sums kept in
+    vector registers over D, each summed across its lanes in a tree (halves added, 16 -> 8 -> 4 -> 2 -> 1).
+    With row t (t < npf) the first cache line of row at + t of pf (2-d, any type) is asked for (LLVM's prefetch): the
+    rows read next, one at a time as the CPU's own prefetcher would not."""
+    raise NotImplementedError
+
+
+def dense_value_sums(vc, n, s, g0, acc, col, pf, at, npf):
+    """Compiled only (dense_value_sums1..4, a group of 1-4 query heads g0..): acc[g0 + g, col : col + VEC] += the sum
+    over t < n (in order) of s[g0 + g, t] vc[t, col : col + VEC], vc (n', D) a chunk of value rows as they lie (as
+    dense_key_scores' keys); the sums kept in vector registers over the positions, a row's VEC elements loaded and
+    widened once for the group; pf, at, npf: dense_key_scores' prefetch."""
+    raise NotImplementedError
+
+
+if numba is not None:
+    _HALF16 = ir.VectorType(ir.HalfType(), VEC)
+    _SHORTS = ir.VectorType(ir.IntType(16), VEC)
+
+    def _row_f32(builder, dtype, rows, t, col):
+        """VEC elements rows[t, col:] as f32 (rows: f32, f16 bits as uint16, or bf16 bits as int16)."""
+        addr = ir_at(builder, rows, t, col)
+        if dtype == types.float32:
+            return ir_load(builder, addr, FLOATS)
+        if dtype == types.uint16:
+            return builder.fpext(builder.bitcast(ir_load(builder, addr, _SHORTS), _HALF16), FLOATS)
+        return ir_bf16(builder, addr)
+
+    def _prefetch_row(builder, arr, row, cond):
+        """Ask for the first cache line of arr[row] (read, kept in every level) where cond (an i1) holds."""
+        i8p, i32 = ir.IntType(8).as_pointer(), ir.IntType(32)
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32]),
+                                            "llvm.prefetch")
+        with builder.if_then(cond):
+            at = builder.inttoptr(ir_at(builder, arr, row), i8p)
+            builder.call(fn, [at, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])  # read, keep, data
+
+    def _lanes_sum(builder, v):
+        """v's VEC lanes summed in a tree: the upper half added to the lower, down to one."""
+        w = VEC
+        while w > 1:
+            w //= 2
+            lo = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(w))))
+            hi = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(w, 2 * w))))
+            v = builder.fadd(lo, hi)
+        return builder.extract_element(v, ir.Constant(_I32, 0))
+
+    def _dense_key_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            kc, q, s, pf = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 2, 4, 6))
+            n, g0, scale, at, npf = args[1], args[3], args[5], args[7], args[8]
+            dtype = sig.args[0].dtype
+            fma = ir_fma(builder)
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+            blocks = builder.udiv(cgutils.unpack_tuple(builder, q.shape)[1], ir.Constant(_I64, VEC))
+            with cgutils.for_range(builder, n) as pos:
+                t = pos.index
+                _prefetch_row(builder, pf, builder.add(at, t), builder.icmp_signed("<", t, npf))
+
+                def step(i, sums):
+                    e = builder.mul(i, ir.Constant(_I64, VEC))
+                    k = _row_f32(builder, dtype, kc, t, e)
+                    return [builder.call(fma, [ir_load(builder, ir_at(builder, q, rows[g], e), FLOATS), k, sums[g]])
+                            for g in range(ng)]
+
+                sums = ir_sums_loop(builder, blocks, ng, step)
+                for g in range(ng):
+                    ir_store(builder, builder.fmul(_lanes_sum(builder, sums[g]), scale), ir_at(builder, s, rows[g], t))
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _dense_value_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            vc, s, acc, pf = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 2, 4, 6))
+            n, g0, col, at, npf = args[1], args[3], args[5], args[7], args[8]
+            dtype = sig.args[0].dtype
+            fma = ir_fma(builder)
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+
+            def step(t, sums):
+                _prefetch_row(builder, pf, builder.add(at, t), builder.icmp_signed("<", t, npf))
+                v = _row_f32(builder, dtype, vc, t, col)
+                return [builder.call(fma, [ir_splat(builder, ir_load(builder, ir_at(builder, s, rows[g], t), _F32)), v,
+                                           sums[g]]) for g in range(ng)]
+
+            sums = ir_sums_loop(builder, n, ng, step)
+            for g in range(ng):
+                addr = ir_at(builder, acc, rows[g], col)
+                ir_store(builder, builder.fadd(ir_load(builder, addr, FLOATS), sums[g]), addr)
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _dense_key_intrinsic(ng: int):
+        def typer(typingctx, kc, n, q, g0, s, scale, pf, at, npf):
+            return (types.none(kc, types.int64, q, types.int64, s, types.float32, pf, types.int64, types.int64),
+                    _dense_key_codegen(ng))
+
+        return intrinsic(typer)
+
+    def _dense_value_intrinsic(ng: int):
+        def typer(typingctx, vc, n, s, g0, acc, col, pf, at, npf):
+            return (types.none(vc, types.int64, s, types.int64, acc, types.int64, pf, types.int64, types.int64),
+                    _dense_value_codegen(ng))
+
+        return intrinsic(typer)
+
+    dense_key_scores1, dense_key_scores2, dense_key_scores3, dense_key_scores4 = (
+        _dense_key_intrinsic(g) for g in (1, 2, 3, 4))
+    dense_value_sums1, dense_value_sums2, dense_value_sums3, dense_value_sums4 = (
+        _dense_value_intrinsic(g) for g in (1, 2, 3, 4))
+
+
+def out_of_line():
+    """Compiled only: the compiled function that calls it is never inlined into its callers (LLVM's noinline): each
+    caller then runs one copy of it, optimized once, the same machine code (attention.py's _run, called by the
+    one-thread and the threaded kernels: inlined, LLVM is free to compile it otherwise in each, and a sum's bits could
+    differ with the thread count)."""
+    raise NotImplementedError
+
+
+if numba is not None:
+
+    @intrinsic
+    def _out_of_line(typingctx):
+        def codegen(context, builder, sig, args):
+            builder.function.attributes.add("noinline")
+            return context.get_dummy_value()
+
+        return types.none(), codegen
+
+    @overload(out_of_line, inline="always")
+    def _out_of_line_overload():
+        return lambda: _out_of_line()
+
+
+# ---- byte dot products of weight codes (weights.py: AVX512-VNNI) ----
+BYTE_DOT_CHUNK = 16  # bytes of a tile row unpacked at a time: 16 rows' codes in the low nibbles and 16 in the high
+BYTE_DOT_GROUP = 32  # columns per scale (Int4's)
+BYTE_DOT_PREFETCH = 2048  # bytes ahead in a form's codes that a block asks for (1-8 KB measured: 2 KB the best here)
+# The kernel's blocks of 4- and 8-bit codes times int8 limbs of x (kvcli/kernels/cpu/weights.py): AVX512-VNNI's byte dot
+# products (llvm.x86.avx512.vpdpbusd.512) and AVX512-VBMI's two-table byte permute (llvm.x86.avx512.vpermi2var.qi.512),
+# x86 only: its table entry (kvcli/weights.py) asks for kernel_table.AVX512.
+
+if numba is not None:
+
+    def _byte_dot_codegen(M: int, wide: bool):
+        """byte_dot_block's code (wide: byte_dot_block8's) for M rows of x."""
+        CHUNK, GROUP, PREFETCH = BYTE_DOT_CHUNK, BYTE_DOT_GROUP, BYTE_DOT_PREFETCH
+
+        def codegen(context, builder, sig, args):
+            f32, i8, i32, i64 = ir.FloatType(), ir.IntType(8), ir.IntType(32), ir.IntType(64)
+            vb, vf, vi = ir.VectorType(i8, CHUNK), ir.VectorType(f32, CHUNK), ir.VectorType(i32, CHUNK)
+            quad = ir.VectorType(i8, 4 * CHUNK)
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), f"llvm.fma.v{CHUNK}f32")
+            # acc + the sums of 4 products of unsigned by signed bytes: lane l += sum_c a[4 l + c] b[4 l + c] (VNNI)
+            dot = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vi, [vi, vi, vi]),
+                                                 "llvm.x86.avx512.vpdpbusd.512")
+            c64 = lambda v: ir.Constant(i64, v)  # noqa: E731
+            t, sza, xsa, ya = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 5, 6, 7))
+            P, _, K, T2 = cgutils.unpack_tuple(builder, t.shape, 4)
+            n_pad = cgutils.unpack_tuple(builder, ya.shape, 2)[1]
+            G = builder.udiv(K, c64(GROUP))
+            ip, ig, g = args[1], args[2], args[3]
+            k0 = builder.mul(g, c64(GROUP))
+            sP, sNT, sK, _ = cgutils.unpack_tuple(builder, t.strides, 4)  # bytes (a narrowed form's tiles are a view)
+
+            def emit(sK, T2, fixed: bool):  # the block's code for tile rows sK bytes apart, T2 bytes wide
+                # 4-bit codes at fixed strides: four columns' 128 bytes (both chunks) in two loads and one byte permute
+                # where four loads and three shuffles were (one row's products -7 to -16%, four rows' -3%); one or two
+                # rows unroll the two chunks (constant permutes), four keep the loop (unrolled, they ran slower) and
+                # move the permute's index by the chunk. An Int8's two halves keep the four loads (faster there).
+                unroll = fixed and M <= 2 and not wide
+                # byte (p, i, k0, 0)
+                row0 = builder.add(builder.add(builder.mul(ip, sP), builder.mul(ig, sNT)), builder.mul(k0, sK))
+                # wide: the low halves' columns lie Kp / 2 further on, their block (scale d, zero 0) G / 2 further
+                gs = builder.add(g, builder.udiv(G, c64(2))) if wide else g
+                rows_l = builder.add(row0, builder.mul(builder.udiv(K, c64(2)), sK)) if wide else None
+                zP, zG, _ = cgutils.unpack_tuple(builder, sza.strides, 3)
+                z_row = builder.udiv(builder.add(builder.mul(ip, zP), builder.mul(gs, zG)), c64(4))  # sz[p, gs, 0], int32s
+                n0 = builder.mul(ig, builder.mul(T2, c64(2)))  # the tile's first row
+                xk = builder.add(builder.mul(ip, builder.udiv(K, c64(4))), builder.udiv(k0, c64(4)))
+                xq = [builder.gep(context.make_array(sig.args[4].dtype)(context, builder, a).data, [xk])
+                      for a in cgutils.unpack_tuple(builder, args[4], 2 * M)]  # x[m]'s limbs' columns k0.. of part p
+                pg = builder.add(builder.mul(ip, G), g)  # block g of part p
+                lane0 = ir.Constant(vi, [0] * CHUNK)
+
+                def splat(v, ty):
+                    v = builder.insert_element(ir.Constant(ty, None), v, ir.Constant(i32, 0))
+                    return builder.shuffle_vector(v, v, lane0)
+
+                def vec(ptr, at, ty):
+                    return builder.bitcast(builder.gep(ptr, [at]), ty.as_pointer())
+
+                # columns k..k + 3 of CHUNK rows, as loaded one after the other -> row l's four codes in lane l
+                pair_up = ir.Constant(ir.VectorType(i32, 2 * CHUNK), list(range(2 * CHUNK)))
+                lanes = ir.Constant(ir.VectorType(i32, 4 * CHUNK), [CHUNK * c + l for l in range(CHUNK) for c in range(4)])
+                low, four = ir.Constant(quad, [15] * 4 * CHUNK), ir.Constant(quad, [4] * 4 * CHUNK)
+                high = ir.Constant(quad, [0xF0] * 4 * CHUNK)
+
+                # byte 4 l + j of a chunk's quad: column k + j of row c + l, at 32 j + c + l in columns k..k + 3's bytes
+                picks = [32 * j + l for l in range(CHUNK) for j in range(4)]
+                permute = cgutils.get_or_insert_function(builder.module, ir.FunctionType(quad, [quad] * 3),
+                                                         "llvm.x86.avx512.vpermi2var.qi.512")
+                every = ir.Constant(ir.VectorType(i32, 4 * CHUNK), [0] * 4 * CHUNK)
+
+                def quads(first, c, k):  # four columns k.. from byte row `first` + c: (4 CHUNK,) i8, row l's in lane l
+                    if fixed and not wide:  # four columns' 128 bytes (both chunks) in two loads, one byte permute
+                        at = builder.add(first, builder.mul(c64(k), sK))
+                        b = [builder.load(vec(t.data, builder.add(at, c64(64 * j)), quad), align=1) for j in range(2)]
+                        if unroll:  # c a constant
+                            return builder.shuffle_vector(b[0], b[1], ir.Constant(
+                                ir.VectorType(i32, 4 * CHUNK), [p + c for p in picks]))
+                        cb = builder.insert_element(ir.Constant(quad, None), builder.trunc(c, i8), ir.Constant(i32, 0))
+                        index = builder.add(ir.Constant(quad, picks), builder.shuffle_vector(cb, cb, every))
+                        return builder.call(permute, [b[0], index, b[1]])
+                    at = builder.add(builder.add(first, builder.mul(c64(k), sK)), c)
+                    b = [builder.load(vec(t.data, builder.add(at, builder.mul(c64(j), sK)), vb), align=1) for j in range(4)]
+                    return builder.shuffle_vector(builder.shuffle_vector(b[0], b[1], pair_up),
+                                                  builder.shuffle_vector(b[2], b[3], pair_up), lanes)
+
+                # the memory ahead, asked for now: the codes stream from DRAM, which this loop alone does not keep busy
+                prefetch = cgutils.get_or_insert_function(
+                    builder.module, ir.FunctionType(ir.VoidType(), [i8.as_pointer(), i32, i32, i32]), "llvm.prefetch")
+                read, keep, data = ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)
+                # (wide: its 2 KB runs in order, which the CPU's own prefetcher follows; asking as well made one
+                # row 10% slower)
+                for k in range(0, GROUP, 2) if not wide else ():  # a line per pair of columns (T = 64)
+                    at = builder.add(builder.add(row0, builder.mul(c64(k), sK)), c64(PREFETCH))
+                    builder.call(prefetch, [builder.gep(t.data, [at]), read, keep, data])
+                for j in range(0, 64, 16):  # the next tile's scales of this block (4 lines for T = 64)
+                    at = builder.add(builder.add(z_row, builder.mul(T2, c64(2))), builder.add(n0, c64(j)))
+                    line = builder.bitcast(builder.gep(sza.data, [at]), i8.as_pointer())
+                    builder.call(prefetch, [line, read, keep, data])
+                def chunk(c):  # rows c..c + CHUNK - 1 and T / 2 + c.. of the tile (c a constant where unrolled)
+                    cv = c64(c) if unroll else c
+                    acc = [[[ir.Constant(vi, [0] * CHUNK)] * 2 for _ in range(2)] for _ in range(M)]  # [m][limb][h]
+                    for k in range(0, GROUP, 4):
+                        b = quads(row0, c, k)
+                        if wide:  # 16 h + l: the high halves' nibbles over the low halves'
+                            bl = quads(rows_l, c, k)
+                            b = [builder.or_(builder.shl(builder.and_(b, low), four), builder.and_(bl, low)),
+                                 builder.or_(builder.and_(b, high), builder.lshr(bl, four))]
+                        else:
+                            b = [builder.and_(b, low), builder.and_(builder.lshr(b, four), low)]
+                        codes = [builder.bitcast(h, vi) for h in b]
+                        for m in range(M):  # x[m]'s limbs' int8 columns k0 + k..k0 + k + 3, loaded here (not all held)
+                            for limb in (0, 1):
+                                xv = splat(builder.load(builder.gep(xq[limb * M + m], [c64(k // 4)])), vi)
+                                acc[m][limb] = [builder.call(dot, [acc[m][limb][h], codes[h], xv]) for h in (0, 1)]
+                    for h in (0, 1):
+                        n = builder.add(builder.add(n0, cv), builder.mul(c64(h), T2))  # rows n.. of W
+                        pair = builder.load(vec(sza.data, builder.add(z_row, n), vi), align=4)
+                        scale = builder.bitcast(builder.shl(pair, ir.Constant(vi, [16] * CHUNK)), vf)
+                        zero = builder.bitcast(builder.and_(pair, ir.Constant(vi, [-65536] * CHUNK)), vf)
+                        # x . ((q - bias) s + z) = s sx (xq . q) + (z - bias s) sx sum xq
+                        bias = -128.0 if wide else -8.0
+                        offset = builder.call(fma, [ir.Constant(vf, [bias] * CHUNK), scale, zero])
+                        for m in range(M):
+                            at = builder.mul(builder.add(builder.mul(c64(m), builder.mul(P, G)), pg), c64(2))  # xs[m, p, g]
+                            sx = splat(builder.load(builder.gep(xsa.data, [at])), vf)
+                            sq = splat(builder.load(builder.gep(xsa.data, [builder.add(at, c64(1))])), vf)
+                            yp = vec(ya.data, builder.add(builder.mul(c64(m), n_pad), n), vf)
+                            whole = builder.add(builder.shl(acc[m][0][h], ir.Constant(vi, [8] * CHUNK)), acc[m][1][h])
+                            out = builder.call(fma, [builder.sitofp(whole, vf), builder.fmul(scale, sx),
+                                                     builder.load(yp, align=4)])
+                            builder.store(builder.call(fma, [sq, offset, out]), yp, align=4)
+
+                if unroll:
+                    for c in range(0, 32, CHUNK):
+                        chunk(c)
+                else:
+                    with cgutils.for_range(builder, builder.udiv(T2, c64(CHUNK))) as loop:
+                        chunk(builder.mul(loop.index, c64(CHUNK)))
+
+            # T = 64 (AVX-512's tiles): constant strides fold into the loads' offsets (one base pointer, not one a
+            # column kept in registers and spilled); other tiles take the general code
+            fixed = builder.and_(builder.icmp_unsigned("==", sK, c64(32)), builder.icmp_unsigned("==", T2, c64(32)))
+            with builder.if_else(fixed) as (then, otherwise):
+                with then:
+                    emit(c64(32), c64(32), True)
+                with otherwise:
+                    emit(sK, T2, False)
+            return context.get_dummy_value()
+
+        return codegen
+
+    @intrinsic
+    def byte_dot_block(typingctx, tiles, p, i, g, x, sz, xs, y):
+        """y[m, T i + n] += s sx[m] (xi[m] . q) + (z - 8 s) sx[m] sum xi[m] over block g's columns k
+        (32 g <= k < 32 g + 32) for every row n of tile i: q its codes, s and z its scale and zero point; xi[m] the
+        block of x[m] as integers (x ~ sx[m] xi[m], xi = 256 hi + lo). Per chunk of CHUNK bytes of a tile row (its
+        rows c.. in the low nibbles, T / 2 + c.. in the high ones), four columns at a time become one vector of 16
+        rows' 4 codes each, and each row of x takes it once a limb into int32 sums kept in registers over the
+        block's 32 columns (256 (hi . q) + lo . q: below 2^24, exact as f32).
+        Part p of a form whose K columns come in P parts of Kp (Int8's; Int4: one); each tile row and each row of sz
+        contiguous (a narrowed form's are views), the rest C-contiguous: tiles (P, NT, Kp, T / 2) uint8; x a tuple
+        of 2 M (P, Kp / 4) int32 rows, 4 int8 each: the M rows' hi, then their lo; sz (P, Kp / 32, N_pad) int32, bf16
+        s (low half) and z (high half); xs (M, P, Kp / 32, 2) f32: each block's sx and sx sum xi; y (M, N_pad) f32."""
+        if not isinstance(x, types.UniTuple):
+            return None
+        return types.none(tiles, p, i, g, x, sz, xs, y), _byte_dot_codegen(x.count // 2, wide=False)
+
+    @intrinsic
+    def byte_dot_block8(typingctx, tiles, p, i, g, x, sz, xs, y):
+        """byte_dot_block over an Int8 part's 8-bit codes u = q + 128 = 16 h + l, rebuilt from its two halves (h in its
+        first Kp / 2 columns, l in the next: block g of h pairs with block g + G / 2 of l, over the same columns of x):
+        y[m, n] += d sx (xi . u) - 128 d sx sum xi, d the l block's scale. One vector of 16 rows' four 8-bit codes
+        takes the place of two of 4-bit ones: each row of x makes half the byte products it made over the halves.
+        The integer sums (below 2^28) are exact, rounded once to f32."""
+        if not isinstance(x, types.UniTuple):
+            return None
+        return types.none(tiles, p, i, g, x, sz, xs, y), _byte_dot_codegen(x.count // 2, wide=True)

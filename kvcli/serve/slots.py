@@ -1,0 +1,51 @@
+"""A step's slots as one cache: the server's caches (a sequence each) behind the one cache a forward takes
+(Transformer.forward_slots), so that a step runs every slot's tokens through the weights once."""
+
+from __future__ import annotations
+
+import torch
+
+
+class Slots:
+    """Several one-sequence caches as one for Block.forward: a (1, sum n_i, ...) batch whose i-th segment of
+    n_i tokens goes to caches[i] at positions[i].., and each cache stores and attends as it would alone (every
+    cache type, window and kernel unchanged). The block's projections, norms and MLP run over the whole batch.
+    Decode tokens (n_i = 1) of consecutive rows of one cache (KVCache.rows: the server's slots) attend
+    as one batch through a view of those rows, each at its own position: one set of ops, not one a slot."""
+
+    def __init__(self, caches: list, positions: list[int], lengths: list[int]):
+        self.runs: list[tuple] = []  # (cache, pos, first token, tokens); pos a (k,) tensor for k rows' decode tokens
+        group: list[tuple] = []  # decode segments (cache, pos, first token) of consecutive rows of one cache
+        a = 0
+        for c, p, n in zip(caches, positions, lengths):
+            row = n == 1 and getattr(c, "base", None) is not None
+            if group and not (row and c.base is group[0][0].base and c.row0 == group[-1][0].row0 + 1):
+                self._close(group)
+            if row:
+                group.append((c, p, a))
+            else:
+                self.runs.append((c, p, a, n))
+            a += n
+        self._close(group)
+
+    def _close(self, group: list[tuple]) -> None:
+        if len(group) == 1:
+            c, p, a = group[0]
+            self.runs.append((c, p, a, 1))
+        elif group:
+            c, _, a = group[0]
+            pos = torch.tensor([p for _, p, _ in group], device=c.k.data.device)
+            self.runs.append((c.base.rows(c.row0, c.row0 + len(group)), pos, a, len(group)))
+        group.clear()
+
+    def attention(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, x: torch.Tensor,
+                  pos: int) -> torch.Tensor:
+        """q (1, N, H, D), k/v (1, N, Hkv, D), x (1, N, n_embd) -> (1, N, H * D); pos unused (each segment's own)."""
+        out = []
+        for c, p, a, n in self.runs:
+            if torch.is_tensor(p):  # n sequences, a token each: (n, 1, ...) views
+                rows = [t.transpose(0, 1) if n == t.shape[1] else t[0, a : a + n, None] for t in (q, k, v, x)]
+                out.append(c.attention(layer, *rows, p).view(1, n, -1))
+            else:
+                out.append(c.attention(layer, q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], x[:, a : a + n], p))
+        return out[0] if len(out) == 1 else torch.cat(out, 1)  # one run (all rows decoding): no copy
