@@ -391,9 +391,9 @@ def warm_up(k_layout, v_layout) -> None:
     args = (z, np.float32(1), k, v, *_layout(k_layout), *_layout(v_layout), *_window(None), np.ones(2, np.int64),
             np.empty_like(z))
     _attend(*args)
-    if THREADED:  # with -t N > 1, its threads started too (threads below min_work: none)
-        threads = torch.get_num_threads()
-        _attend_threaded(*args, _numba_threads(threads) if threads > 1 else 2, 0 if threads > 1 else 1 << 62)
+    if THREADED:  # with -t N > 1, its threads started too; at -t 1 loaded on one thread (no pool: its idle
+        threads = torch.get_num_threads()  # threads would spin beside torch's)
+        _attend_threaded(*args, _numba_threads(threads), 0 if threads > 1 else 1 << 62)
 
 
 _DENSE_DTYPES = {Kind.F32: np.float32, Kind.F16: np.uint16, Kind.BF16: np.int16}
