@@ -80,14 +80,21 @@ class Attention:
                             per_row=torch.is_tensor(pos), head_dim=q.shape[-1], k=k, v=v)
 
     def hidden(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
-        """The same over a hidden-state cache, whose K/V are rebuilt from the stored x."""
+        """The same over a hidden-state cache, whose K/V are rebuilt from the stored x (the entry chosen once per
+        cache and shape, as for a K/V cache)."""
+        key = (q.shape[1] == 1, recent is not None, device_of(q), self.flash)
+        run = cache.kernels.get(key)
+        if run is None:
+            run = cache.kernels[key] = self.choose_hidden(q, cache, recent).run
+        return run(q, cache, layer, pos, recent)
+
+    def choose_hidden(self, q: torch.Tensor, cache, recent: Recent | None) -> Entry:
         h = cache.h.kernel_layout()
         if not self.flash or h is None:
-            return attend_reference(q, cache, layer, pos, flash=self.flash, recent=recent)
+            return _MATERIALIZED if not self.flash else table.reference(HIDDEN)
         block = cache.block_kv[0]
-        entry = table.choose(HIDDEN, device_of(q), h.kind, decode=q.shape[1] == 1, window=recent is not None,
-                             head_dim=q.shape[-1], dense_kv=hasattr(block.wkv, "w"), linear_kv=block.linear_kv)
-        return entry.run(q, cache, layer, pos, recent)
+        return table.choose(HIDDEN, device_of(q), h.kind, decode=q.shape[1] == 1, window=recent is not None,
+                            head_dim=q.shape[-1], dense_kv=hasattr(block.wkv, "w"), linear_kv=block.linear_kv)
 
 
 def warm_up(cache) -> None:

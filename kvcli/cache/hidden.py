@@ -148,6 +148,7 @@ class HiddenCache:
         self.model = model  # blocks' wqkv and the rope table, read at attention time (no copies)
         self.block_kv = [BlockKV(b) for b in model.blocks]  # each block's K/V weights, as this cache reads them
         self.attend = attention  # how to attend (kvcli.attention.Attention); the cache only holds it
+        self.kernels: dict = {}  # the entries attention chose for it, by shape (Attention.hidden)
         self.n_layers, self.batch, self.n_ctx = c.n_layers, batch, n_ctx
         ds = store_head_dim(c.n_embd)
         self.h = resolve_type(type_h)(c.n_layers, batch, c.n_embd // ds, n_ctx, ds, device=device)

@@ -43,33 +43,11 @@ import threading
 import numpy as np
 import torch
 
-from .int4_tiles import mm
+from .int4_tiles import mm, unpack_rows
 
 GROUP = 64  # value positions packed together (kvcli/cache/turbo.py GROUP): the weighted sums' K is whole groups
 
 # ---- unpacking the format's b-bit rows (kvcli/cache/turbo.py pack_rows / unpack_rows: the same bits) ----
-_SHIFT2 = torch.tensor([0, 2], dtype=torch.int32).view(2, 1, 1)
-_SHIFT4 = torch.tensor([0, 1, 2, 3], dtype=torch.int32).view(4, 1, 1)
-
-
-def unpack_rows(p: torch.Tensor, bits: int, add: int = 0) -> torch.Tensor:
-    """Packed (..., b S / 4, C) -> nibble rows (..., S, C) uint8 (plus `add` in every nibble, the sum below 16),
-    C a multiple of 4: int32 shifts and masks over the bytes (bits moving across a byte boundary land where the
-    mask drops them). The inverse of kvcli/cache/turbo.py's pack_rows (a copy of its unpack_rows: a leaf imports
-    nothing from kvcli.cache)."""
-    if bits == 4:
-        return p if not add else (p.view(torch.int32) + add * 0x11111111).view(torch.uint8)
-    lead, C, S = p.shape[:-2], p.shape[-1], p.shape[-2] * 4 // bits
-    low = p[..., : S // 2, :].view(torch.int32).unsqueeze(-3)  # (..., 1, S / 2, C / 4)
-    n = (low >> _SHIFT2).bitwise_and_(0x33333333).view(*lead, S, C // 4)  # rows r, r + S / 2
-    if bits == 3:
-        high = p[..., S // 2 :, :].view(torch.int32).unsqueeze(-3)  # (..., 1, S / 4, C / 4)
-        n.add_((high >> _SHIFT4).bitwise_and_(0x11111111).view(*lead, S, C // 4), alpha=4)
-    if add:
-        n.add_(add * 0x11111111)
-    return n.view(torch.uint8)
-
-
 # ---- what is made once per shape, not per call ----
 _UNITS: dict[tuple, torch.Tensor] = {}
 _LOCAL = threading.local()  # each thread's scratch (a server may decode on several)

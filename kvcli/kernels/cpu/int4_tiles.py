@@ -68,3 +68,37 @@ def mm(x: torch.Tensor, w: torch.Tensor, sz: torch.Tensor, group: int = GROUP) -
     """x (M, K) bf16 @ W.T for packed w (N, K / 2) uint8 and scales sz (K / group, N, 2) bf16 -> (M, N) bf16;
     group: 32, 64, 128 or 256 elements of K per scale."""
     return torch.ops.aten._weight_int4pack_mm_for_cpu(x, w, group, sz)
+
+
+# ---- b-bit rows: the tq types' packing of nibble rows (kvcli/cache/turbo.py's format, step 3) ----
+_SHIFT2 = torch.tensor([0, 2], dtype=torch.int32).view(2, 1, 1)
+_SHIFT4 = torch.tensor([0, 1, 2, 3], dtype=torch.int32).view(4, 1, 1)
+
+
+def pack_rows(n: torch.Tensor, bits: int) -> torch.Tensor:
+    """Nibble rows (..., S, C) uint8, a b-bit code in each nibble -> the packed (..., b S / 4, C)."""
+    if bits == 4:
+        return n
+    S = n.shape[-2]
+    low = (n[..., : S // 2, :] & 0x33) | ((n[..., S // 2 :, :] & 0x33) << 2)
+    if bits == 2:
+        return low
+    high = [((n[..., k * S // 4 : (k + 1) * S // 4, :] >> 2) & 0x11) << k for k in range(4)]
+    return torch.cat([low, high[0] | high[1] | high[2] | high[3]], -2)
+
+
+def unpack_rows(p: torch.Tensor, bits: int, add: int = 0) -> torch.Tensor:
+    """Packed (..., b S / 4, C) -> nibble rows (..., S, C) uint8 (plus `add` in every nibble, the sum
+    below 16), C a multiple of 4: int32 shifts and masks over the bytes (bits moving across a byte
+    boundary land where the mask drops them)."""
+    if bits == 4:
+        return p if not add else (p.view(torch.int32) + add * 0x11111111).view(torch.uint8)
+    lead, C, S = p.shape[:-2], p.shape[-1], p.shape[-2] * 4 // bits
+    low = p[..., : S // 2, :].view(torch.int32).unsqueeze(-3)  # (..., 1, S / 2, C / 4)
+    n = (low >> _SHIFT2.to(p.device)).bitwise_and_(0x33333333).view(*lead, S, C // 4)  # rows r, r + S / 2
+    if bits == 3:
+        high = p[..., S // 2 :, :].view(torch.int32).unsqueeze(-3)  # (..., 1, S / 4, C / 4)
+        n.add_((high >> _SHIFT4.to(p.device)).bitwise_and_(0x11111111).view(*lead, S, C // 4), alpha=4)
+    if add:
+        n.add_(add * 0x11111111)
+    return n.view(torch.uint8)
