@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 
 from kvcli.llama import Llama
-from kvcli.default_model import pull_default
+from kvcli.pull import pull_default
 
 
 def main():

@@ -12,7 +12,7 @@ import time
 import torch
 
 from kvcli.llama import Llama
-from kvcli.default_model import pull_default
+from kvcli.pull import pull_default
 
 
 def bench_kvcli(path, dtype, prompt, n, ctx, reps):

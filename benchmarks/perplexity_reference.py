@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from kvcli.llama import Llama
-from kvcli.default_model import default_model_path
+from kvcli.catalog import default_model_path
 from kvcli.perplexity import PplStats, balanced_n_seq, chunk_logits, make_chunks, score_chunk, scored_log_probs, token_nll
 
 WIKITEXT = Path(__file__).resolve().parents[2] / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"

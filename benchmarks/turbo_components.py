@@ -67,7 +67,7 @@ def data_codebook(bits: int) -> tuple[float, ...]:
     if bits in _DATA_CODEBOOKS:
         return _DATA_CODEBOOKS[bits]
     from kvcli.llama import Llama
-    from kvcli.default_model import pull_default
+    from kvcli.pull import pull_default
 
     seen: list[torch.Tensor] = []
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from kvcli.gguf_file import open_gguf, read_tensor
-from kvcli.default_model import default_model_path
+from kvcli.catalog import default_model_path
 from kvcli.weights import Dense, Int4, Int8, cat, load
 
 TINY_Q4_K = Path(__file__).resolve().parents[1] / "tests" / "data" / "tiny-Q4_K_M.gguf"

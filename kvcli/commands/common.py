@@ -102,13 +102,16 @@ def rich_table(title: str, columns: list[str], rows: list[list[str]]):
 ModelArg = typer.Argument(None, metavar="MODEL", show_default=False,
                           help="GGUF model file (the same as -m).")
 ModelOpt = typer.Option(None, "-m", "--model",
-                        help="GGUF model file (default: SmolLM2-135M-Instruct Q4_1, fetched on first use).")
+                        help="GGUF model file, or a name from `kvcli pull --list` (default: SmolLM2-135M-Instruct "
+                             "Q4_1, fetched on first use).")
 
 
 def resolve_model(positional: Optional[Path], option: Optional[Path] = None) -> Path:
     """The model a command runs: the positional argument or -m (not two different ones), else the
-    default model, fetched on first use."""
-    from kvcli.default_model import pull_default
+    default model, fetched on first use. A name of the catalog (`-m qwen2.5-coder-0.5b`) is the file
+    `kvcli pull NAME` fetched; a file of that name, if there is one, comes first."""
+    from kvcli.catalog import CATALOG
+    from kvcli.pull import pull_default
 
     if positional is not None and option is not None and positional != option:
         raise KvcliError(f"two models given: {positional} (argument) and {option} (-m); give one")
@@ -118,7 +121,12 @@ def resolve_model(positional: Optional[Path], option: Optional[Path] = None) -> 
     if model.is_dir():
         raise KvcliError(f"{model} is a directory, not a GGUF model file")
     if not model.exists():
-        raise KvcliError(f"model file not found: {model}")
+        named = CATALOG.get(str(model))
+        if named is None:
+            raise KvcliError(f"model file not found: {model} (nor a name from `kvcli pull --list`)")
+        if not named.path().is_file():
+            raise KvcliError(f"{model} is not pulled yet: run `kvcli pull {model}` ({named.path()} not found)")
+        return named.path()
     return model
 
 
