@@ -30,7 +30,7 @@ import torch
 
 from kvcli import kernel_table as table
 from kvcli.cache.window import Recent
-from kvcli.kernel_table import ATTEND, HIDDEN, QUANTIZE, Entry
+from kvcli.kernel_table import ATTEND, HIDDEN, QUANTIZE, WRITE, Entry
 from kvcli.kernels.layout import DENSE_KINDS, GGML_KINDS, DecodeWindow, Kind
 from kvcli.memory import MIB
 
@@ -56,10 +56,14 @@ class Attention:
         return f"Attention(flash={self.flash})"
 
     def bind(self, *stores) -> None:
-        """Hand each store its quantize-on-write kernel (QUANTIZE), chosen once for its device and kind."""
+        """Hand each store (or window ring) its write kernels, chosen once for its device and kind: `quantizer`
+        (QUANTIZE, stores only) and `writer` (WRITE; None: the store's own torch writes, the reference)."""
         for s in stores:
             layout = s.kernel_layout()
-            s.quantizer = table.choose(QUANTIZE, device_of(s.device), None if layout is None else layout.kind).run
+            device, kind = device_of(s.device), None if layout is None else layout.kind
+            if hasattr(s, "quantize_reference"):
+                s.quantizer = table.choose(QUANTIZE, device, kind).run
+            s.writer = table.choose(WRITE, device, kind).run
 
     def __call__(self, q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor,
                  recent: Recent | None = None) -> torch.Tensor:
@@ -381,6 +385,22 @@ table.register(Entry(QUANTIZE, "any", frozenset(), "the store's quantize_referen
                      lambda store, y: store.quantize_reference(y)), reference=True)
 
 
+# WRITE: run(layout, arrays, values, rows, pos): vector m of values to sequence rows[m], position pos[m] of a layer
+def _cpu_dense_write(layout, arrays, values, rows, pos):
+    _cpu_module("quantize").put_dense(arrays[0], values[0], rows, pos)
+
+
+def _cpu_rotated_write(layout, arrays, values, rows, pos):
+    _cpu_module("quantize").put_vectors(arrays[0], arrays[1], *values, rows, pos, layout.kind == Kind.HADAMARD_KEYS)
+
+
+table.register(Entry(WRITE, "cpu", frozenset(DENSE_KINDS), "kvcli/kernels/cpu/quantize.py put_dense (numba)",
+                     _cpu_dense_write, ready=_numba_ready, why="one pass where torch's rounding write takes a dozen ops"))
+table.register(Entry(WRITE, "cpu", frozenset(_ROTATED), "kvcli/kernels/cpu/quantize.py put_vectors (numba)",
+                     _cpu_rotated_write, ready=_numba_ready, why="nibbles placed position by position, no tile repacking"))
+table.register(Entry(WRITE, "any", frozenset(), "the store's own writes (torch)", None), reference=True)
+
+
 def kernel_lines(head_dim: int = 64, device: str = "cpu") -> list[str]:
     """`kvcli info`'s lines on the cache kernels: for each cache type (as both K and V), the entries that run a decode
     step, a prompt's batch and its writes on this machine, then the entries that do not run here and why."""
@@ -400,9 +420,11 @@ def kernel_lines(head_dim: int = 64, device: str = "cpu") -> list[str]:
         shape = dict(per_row=False, head_dim=head_dim, k=k, v=v)
         decode = table.choose(ATTEND, device, (k.kind, v.kind), decode=True, **shape)
         prompt = table.choose(ATTEND, device, (k.kind, v.kind), decode=False, **shape)
-        write = table.choose(QUANTIZE, device, k.kind)
-        lines.append(f"  {name:12s} decode: {decode.name}; prompt: {prompt.name}; writes: {write.name}")
+        codes, lay = table.choose(QUANTIZE, device, k.kind), table.choose(WRITE, device, k.kind)
+        lines.append(f"  {name:12s} decode: {decode.name}; prompt: {prompt.name}; codes: {codes.name}; "
+                     f"laid out: {lay.name}")
     idle = dict.fromkeys(f"  not here: {e.name}, {e.role} ({table.why_not(e, device)})"
-                         for e in table.entries(ATTEND) + table.entries(QUANTIZE) + table.entries(HIDDEN)
+                         for e in table.entries(ATTEND) + table.entries(QUANTIZE) + table.entries(WRITE)
+                         + table.entries(HIDDEN)
                          if e.device != "any" and table.why_not(e, device))
     return lines + list(idle)

@@ -6,11 +6,14 @@ A role is one job with one signature for all its entries:
   HIDDEN    the same over a hidden-state cache (its K/V rebuilt from the stored x);
   QUANTIZE  quantize on write: run(layout, y (B, T, H, D) f32) -> the format's codes before they are laid out
             (a ggml type's blocks (B, T, H, row_bytes); a rotated type's codes and scales);
+  WRITE     lay vectors into a store's bytes: run(layout, arrays, values, rows, pos) -> None, vector m of values
+            (a dense type's f32 (M, H, D); a rotated type's codes and scales) to sequence rows[m], position pos[m]
+            of a layer's numpy views (Operands.arrays); its reference is the store's own torch writes (no run);
   PRODUCT   the weight product: run(form, x (..., K) f32) -> (..., N) f32, x @ W.T for a resident form;
   ROWS      dequantize rows: run(form, start, stop, dtype) -> W.T's slab (K, stop - start) of that dtype;
   NORM      RMSNorm: run(x, weight, eps) -> x / sqrt(mean(x^2) + eps) * weight.
 The key of ATTEND is the pair of K and V layout kinds (kvcli.kernels.layout.Kind), of HIDDEN the x store's
-kind, of QUANTIZE a store's kind, of PRODUCT, ROWS a weight form's `kind`, of NORM the dtype's name. The
+kind, of QUANTIZE and WRITE a store's kind, of PRODUCT, ROWS a weight form's `kind`, of NORM the dtype's name. The
 modules that own each role's glue (kvcli/attention.py, kvcli/weights.py) register their entries here and are
 the only ones that ask; the leaves they call live in kvcli/kernels/cpu/ and kvcli/kernels/gpu/.
 
@@ -29,8 +32,9 @@ import platform
 from dataclasses import dataclass, field
 from typing import Callable
 
-ATTEND, HIDDEN, QUANTIZE, PRODUCT, ROWS, NORM = "attend", "hidden", "quantize", "product", "rows", "norm"
-ROLES = (ATTEND, HIDDEN, QUANTIZE, PRODUCT, ROWS, NORM)
+ATTEND, HIDDEN, QUANTIZE, WRITE = "attend", "hidden", "quantize", "write"
+PRODUCT, ROWS, NORM = "product", "rows", "norm"
+ROLES = (ATTEND, HIDDEN, QUANTIZE, WRITE, PRODUCT, ROWS, NORM)
 
 # Instruction-set levels, lowest first. PORTABLE: any CPU numba and torch run on (generic LLVM vectors);
 # X86: SSSE3's byte shuffle (every x86-64 CPU with AVX has it); AVX2; AVX512: AVX-512 with VNNI and VBMI

@@ -6,11 +6,14 @@ f16 and older positions from the store, in a batched prefill as in decode; its b
 from __future__ import annotations
 
 import math
+import os
 import re
 
 import pytest
 import torch
 from typer.testing import CliRunner
+
+os.environ.setdefault("TRITON_INTERPRET", "1")  # before triton is imported: kernels run on CPU tensors
 
 import kvcli.attention
 from kvcli.cache import STORAGE_TYPES, CacheSpec, HiddenCache, KVCache, cache_bytes

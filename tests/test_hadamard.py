@@ -3,6 +3,7 @@
 import pytest
 import torch
 
+from kvcli import kernel_table as table
 from kvcli.cache import KVCache, hadamard, resolve_type
 from kvcli.kernels.cpu import quantize as hadamard_quantize
 from kvcli.cache.ggml_blocks import Q4_0Store
@@ -127,9 +128,9 @@ def test_tile_layout_bytes(monkeypatch, keys, tile, compiled):
     compiled pass (kvcli/kernels/cpu/quantize.py put_vectors) and by torch's ops (elsewhere than the CPU)."""
     if compiled and not hadamard_quantize.available():
         pytest.skip("numba is not installed")
-    monkeypatch.setattr(HadamardQ4Store, "_compiled_puts", lambda self: compiled)
     D, n = 128, 100
     store = resolve_type("q4_hadamard")(1, 1, 1, n, D, keys=keys, tile=tile)
+    store.writer = compiled_writer(store) if compiled else None
     u = torch.randint(0, 16, (1, n, 1, D), dtype=torch.uint8, generator=torch.Generator().manual_seed(tile))
     store.put(0, u[:, :70], torch.ones(1, 70, 1, D // 32), 0)
     for t in range(70, n):  # decode writes share bytes with earlier positions
@@ -145,11 +146,19 @@ def test_tile_layout_bytes(monkeypatch, keys, tile, compiled):
     assert torch.equal(store.codes(0, 0, n)[0, 0], u[0, :, 0])
 
 
+def compiled_writer(store):
+    """The compiled layout write (the kernel table's CPU WRITE entry for the store's kind), bound or not."""
+    entry = table.choose(table.WRITE, "cpu", store.kernel_layout().kind)
+    assert entry.run is not None, "no compiled write on this machine"
+    return entry.run
+
+
 def test_a_compiled_write_outside_the_store_raises():
     """The compiled pass has no bounds checks of its own: a position past the store is an IndexError, as torch's."""
     if not hadamard_quantize.available():
         pytest.skip("numba is not installed")
     store = resolve_type("q4_hadamard")(1, 1, 1, 64, 64, keys=True)
+    store.writer = compiled_writer(store)
     with pytest.raises(IndexError):
         store.put(0, torch.zeros(1, 1, 1, 64, dtype=torch.uint8), torch.ones(1, 1, 1, 2), store.n_pad)
 
@@ -162,10 +171,10 @@ def test_rows_store_a_step_as_each_alone(monkeypatch, window, compiled):
     row by row otherwise: young rows) leave the bytes each row's own writes leave."""
     if compiled and not hadamard_quantize.available():
         pytest.skip("numba is not installed")
-    monkeypatch.setattr(HadamardQ4Store, "_compiled_puts", lambda self: compiled)
     H, D, lens = 3, 64, [2, 40, 57, 100]  # row 0 still in its sinks for the first steps
     caches = [KVCache(2, 4, H, 300, D, "q4_hadamard", "q4_hadamard", window=window, attention=Attention()) for _ in range(2)]
     for c in caches:
+        c.k.writer, c.v.writer = (compiled_writer(c.k), compiled_writer(c.v)) if compiled else (None, None)
         g = torch.Generator().manual_seed(1)
         for r, n in enumerate(lens):
             c.rows(r, r + 1).store(1, torch.randn(1, n, H, D, generator=g), torch.randn(1, n, H, D, generator=g), 0)

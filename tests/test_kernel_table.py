@@ -20,7 +20,7 @@ from kvcli import kernel_table as table
 from kvcli.attention import Attention, attend_reference
 from kvcli.cache import STORAGE_TYPES, KVCache
 from kvcli.cache.dense import DenseStore
-from kvcli.kernels.layout import KernelLayout
+from kvcli.kernels.layout import KernelLayout, Kind
 
 D, HKV, G = 64, 2, 2
 LENS = [1, 7, 300, 4096]  # the rows' depths: inside the sinks, past them, a few chunks, several splits deep
@@ -121,6 +121,50 @@ def test_quantize_entries(entry, name):
     check_quantize(entry, name)
 
 
+def write_cases(entry: table.Entry) -> list[tuple[str]]:
+    """The cache types an entry writes: their K or V stores' kind, or the f16 window ring beside a quantized type."""
+    out = []
+    for name, cls in STORAGE_TYPES.items():
+        kinds = set(_kinds(name) or ()) | (set() if cls.dense else {Kind.F16})
+        if kinds & entry.keys:
+            out.append((name,))
+    return out
+
+
+def check_write(entry: table.Entry, name: str) -> None:
+    """Prompts of four rows at their own lengths, then decode steps at per-row and int positions, with and without a
+    window: every tensor of the stores (and the window's ring) holds the reference writes' bytes."""
+    for window in (0, 16):
+        caches = [KVCache(1, len(LENS), HKV, 340, D, name, name, attention=Attention(), window=window) for _ in range(2)]
+        for target in (caches[0].k, caches[0].v, caches[0].ring):
+            if target is not None:
+                layout = target.kernel_layout()
+                target.writer = entry.run if layout is not None and layout.kind in entry.keys else None
+        for target in (caches[1].k, caches[1].v, caches[1].ring):
+            if target is not None:
+                target.writer = None
+        for c in caches:
+            g = torch.Generator().manual_seed(window)
+            for b, n in enumerate((1, 7, 40, 300)):
+                c.rows(b, b + 1).store(0, torch.randn(1, n, HKV, D, generator=g) * 2 + 0.5,
+                                       torch.randn(1, n, HKV, D, generator=g), 0)
+            for step in range(20):
+                pos = torch.tensor([1, 7, 40, 300]) + step
+                c.store(0, torch.randn(4, 1, HKV, D, generator=g), torch.randn(4, 1, HKV, D, generator=g), pos)
+            c.rows(3, 4).store(0, torch.randn(1, 1, HKV, D, generator=g), torch.randn(1, 1, HKV, D, generator=g), 320)
+        for part in ("k", "v", "ring"):
+            got, ref = getattr(caches[0], part), getattr(caches[1], part)
+            for attr, t in (vars(ref) if ref is not None else {}).items():
+                if torch.is_tensor(t):
+                    assert torch.equal(getattr(got, attr), t), f"{entry.name} {name} window {window}: {part}.{attr}"
+
+
+@pytest.mark.parametrize("entry, name", _cases(table.WRITE, write_cases))
+def test_write_entries(entry, name):
+    _runnable(entry)
+    check_write(entry, name)
+
+
 # ---- the weights' roles: a form of each kind, adversarial blocks ----
 N, K = 96, 256  # N not a whole number of tiles: the last tile's padding rows
 ROWS = (1, 4, 8, 33, 512)
@@ -199,6 +243,7 @@ def test_norm_entries(entry, key):
 def test_every_role_has_a_reference_and_every_entry_a_name():
     for role in table.ROLES:
         assert table.reference(role).device == "any"
+        assert callable(table.reference(role).run) or role == table.WRITE  # WRITE's: the stores' own torch writes
     for e in table.entries():
         assert e.name and e.role in table.ROLES and e.device in ("cpu", "cuda", "any")
 

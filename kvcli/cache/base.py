@@ -48,6 +48,9 @@ class Store:
     # quantize on write, run(store, y) -> codes: the kernel table's QUANTIZE entry for this store's device and kind,
     # handed in by kvcli.attention.Attention.bind; None: the format's own torch quantizer (quantize_reference)
     quantizer = None
+    # lay codes into the bytes, run(layout, arrays, values, rows, pos): the table's WRITE entry, handed in the same
+    # way; None: the store's own torch writes (the reference)
+    writer = None
     seqs: torch.Tensor | None = None  # a `rows` view's arange(batch): the sequences it writes at per-row positions
 
     def __init_subclass__(cls, **kwargs):
@@ -226,7 +229,7 @@ class KVCache:
         self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
         # K's and V's f16 windows, their heads side by side: (L, B, 2 Hkv, N, D)
         self.ring = Ring(n_layers, batch, 2 * n_kv_heads, window, head_dim, device) if window else None
-        attention.bind(self.k, self.v)
+        attention.bind(self.k, self.v, *([self.ring] if self.ring else []))
         self.base, self.row0 = None, 0  # a view made by `rows`: the cache and first sequence it shows
         self._positions: tuple[int, torch.Tensor] | None = None  # _decode_positions' (pos, (B,) tensor) of this step
 

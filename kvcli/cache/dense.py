@@ -2,22 +2,12 @@
 
 from __future__ import annotations
 
-import functools
-
+import numpy as np
 import torch
 
 from kvcli.kernels.layout import Kind, KernelLayout
 from kvcli.memory import lazy_zeros
 from kvcli.cache.base import Store
-
-
-@functools.cache
-def _cpu_put():
-    """The compiled rounding write (kvcli/kernels/cpu/quantize.py put_dense) where numba is, else None; looked up once
-    (numba loads only where a CPU cache writes)."""
-    from kvcli.kernels.cpu import quantize
-
-    return quantize.put_dense if quantize.available() else None
 
 
 class DenseStore(Store):
@@ -47,11 +37,14 @@ class DenseStore(Store):
 
     def store_pair(self, other: "DenseStore", layer: int, x: torch.Tensor, y: torch.Tensor,
                    pos: int | torch.Tensor) -> None:
-        """One new token per sequence on the CPU: both rounded and placed in one compiled pass where numba is."""
-        put = _cpu_put() if x.shape[1] == 1 and x.device.type == "cpu" else None
-        if put is not None:
-            return put(self.operands(layer).arrays[0], other.operands(layer).arrays[0], x, y, pos)
-        super().store_pair(other, layer, x, y, pos)
+        """One new token per sequence: through the bound writer where there is one (a compiled pass on the CPU)."""
+        if self.writer is None or x.shape[1] != 1:
+            return super().store_pair(other, layer, x, y, pos)
+        B = x.shape[0]
+        rows = np.arange(B, dtype=np.int64)
+        at = pos.numpy() if torch.is_tensor(pos) else np.full(B, pos, np.int64)
+        for s, new in ((self, x), (other, y)):
+            s.writer(s.kernel_layout(), s.operands(layer).arrays, (new[:, 0],), rows, at)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         return self.data[layer, :, :, start:end].float()  # a view (no copy) for f32

@@ -212,7 +212,7 @@ class HadamardQ4Store(RotatedStore):
         """Store.store_spans on the CPU: every span rotated, offset, quantized and written in one pass each, where
         all are past the sinks with their offsets set (the server's steady state; `prepare` does the rest). A span's
         bytes are those its own store_pair writes: the same rotation, offset and block-by-block search."""
-        if not (self._compiled_puts() and all(w0 >= self.n_sink and self.row_ready(layer, b)
+        if not (self.writer is not None and all(w0 >= self.n_sink and self.row_ready(layer, b)
                                               and other.row_ready(layer, b) for b, _, _, w0 in spans)):
             return False
         rows = np.concatenate([np.full(x.shape[1], b, np.int64) for b, x, _, _ in spans])
@@ -226,22 +226,10 @@ class HadamardQ4Store(RotatedStore):
         other._put_vectors(layer, u[0, M:], d[0, M:], rows, pos)
         return True
 
-    def _compiled_puts(self) -> bool:
-        """Are codes laid out by the compiled pass (kvcli/kernels/cpu/quantize.py put_vectors)? On a CPU store, where
-        numba loads; imported here: numba loads only where a CPU cache writes."""
-        if self.data.device.type != "cpu":
-            return False
-        from kvcli.kernels.cpu import quantize
-
-        return quantize.available()
-
     def _put_vectors(self, layer: int, u: torch.Tensor, d: torch.Tensor, rows: np.ndarray, pos: np.ndarray) -> None:
         """Codes u (M, H, D) and scales d (M, H, D / 32), vector m to sequence rows[m] at position pos[m], through
-        the compiled pass over this layer's bytes."""
-        data, scale = self.operands(layer).arrays[:2]  # codes uint8, scales bf16 bits (int16)
-        from kvcli.kernels.cpu.quantize import put_vectors
-
-        put_vectors(data, scale, u, d, rows, pos, self.keys)
+        the bound writer (the kernel table's WRITE) over this layer's bytes."""
+        self.writer(self._layout, self.operands(layer).arrays, (u, d), rows, pos)
 
     @staticmethod
     def store_rows(stores: tuple, layer: int, xs: tuple, pos: torch.Tensor) -> None:
@@ -264,7 +252,7 @@ class HadamardQ4Store(RotatedStore):
 
     def put_rows(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: torch.Tensor) -> None:
         """Codes u (B, H, D) and scales d (B, H, D / 32) of sequence b's token at position pos[b]."""
-        if self._compiled_puts():
+        if self.writer is not None:
             return self._put_vectors(layer, u, d, np.arange(u.shape[0], dtype=np.int64), pos.numpy())
         seqs = self.sequences(u.shape[0])
         self.scale[layer, seqs, :, :, pos] = d.to(self.scale.dtype)
@@ -281,7 +269,7 @@ class HadamardQ4Store(RotatedStore):
     def put(self, layer: int, u: torch.Tensor, d: torch.Tensor, pos: int) -> None:
         """Codes u (B, T, H, D) and scales d (B, T, H, D / 32) into positions pos..pos+T-1."""
         B, T, H, D = u.shape
-        if self._compiled_puts():
+        if self.writer is not None:
             rows = np.repeat(np.arange(B, dtype=np.int64), T)
             at = np.tile(np.arange(pos, pos + T, dtype=np.int64), B)
             return self._put_vectors(layer, u.reshape(B * T, H, D), d.reshape(B * T, H, D // 32), rows, at)

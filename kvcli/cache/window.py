@@ -30,7 +30,10 @@ from __future__ import annotations
 import copy
 from dataclasses import dataclass
 
+import numpy as np
 import torch
+
+from kvcli.kernels.layout import Kind, KernelLayout
 
 
 @dataclass(frozen=True)
@@ -52,6 +55,7 @@ class Ring:
     side by side in one (H = 2 Hkv: one write per layer), the hidden-state cache x's."""
 
     row0 = 0  # a `rows` view's first sequence in the ring it was made from
+    writer = None  # push_rows' write of f16 vectors (the kernel table's WRITE, bound by the cache); None: torch's
 
     def __init__(self, n_layers: int, batch: int, n_heads: int, size: int, head_dim: int, device: str = "cpu"):
         self.size, self.batch = size, batch
@@ -71,6 +75,13 @@ class Ring:
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
+
+    @property
+    def device(self) -> torch.device:
+        return self.data.device
+
+    def kernel_layout(self) -> KernelLayout:
+        return KernelLayout(Kind.F16)
 
     def rows(self, start: int, stop: int) -> Ring:
         """Sequences start..stop-1 as a ring of their own over the same bytes and bookkeeping (a view)."""
@@ -149,18 +160,17 @@ class Ring:
         return writes, RowsWindow(ring, masked, lim, min(lims), max(lims))
 
     def _put(self, layer: int, ring: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: list[int]) -> None:
-        """Row b's k, v (B, 1, H / 2, D) f32 into its slot pos[b] % N as f16: on the CPU in one compiled pass over the
-        ring's numpy views (a dense store's put: the same rounding as torch's), else one index write."""
-        if ring.device.type == "cpu":
-            from kvcli.kernels.cpu import quantize  # numba loads only where a CPU cache writes
-
-            if quantize.available():
-                halves = self._halves.get(layer)
-                if halves is None:
-                    bits, h = ring.view(torch.uint16), ring.shape[1] // 2
-                    halves = self._halves[layer] = (bits[:, :h].numpy(), bits[:, h:].numpy())
-                quantize.put_rows(*halves, k, v, [p % self.size for p in pos])
-                return
+        """Row b's k, v (B, 1, H / 2, D) f32 into its slot pos[b] % N as f16: through the bound writer over the ring's
+        halves where there is one (the same rounding as torch's), else one index write."""
+        if self.writer is not None:
+            halves = self._halves.get(layer)
+            if halves is None:
+                bits, h = ring.view(torch.uint16), ring.shape[1] // 2
+                halves = self._halves[layer] = (bits[:, :h].numpy(), bits[:, h:].numpy())
+            rows, slots = np.arange(len(pos), dtype=np.int64), np.array([p % self.size for p in pos], np.int64)
+            for half, new in zip(halves, (k, v)):
+                self.writer(self.kernel_layout(), (half,), (new[:, 0],), rows, slots)
+            return
         slots = torch.tensor([p % self.size for p in pos], device=ring.device)
         ring[self.seqs, :, slots] = torch.cat([k, v], 2)[:, 0].to(torch.float16)
 

@@ -12,6 +12,8 @@ else is in the call.
 `put_vectors` writes q4_hadamard's codes and scales into the store's layout (kvcli/cache/hadamard.py) position by position: a
 window flush is a few positions of each sequence, each at its own place, where the torch path unpacked,
 edited and repacked whole key tiles (~60 us a flush and layer; ~25 us here, the calls' overhead included).
+`put_dense` does the same for f32/f16/bf16 vectors (a dense store's decode tokens, the recent window's ring).
+Both are the kernel table's WRITE entries (kvcli/attention.py); the stores' torch writes are their reference.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ import torch
 from .compile import RNE, available, exact_jit, jit
 from .vectors import bf16_from_f32, from_f32, to_f32
 
-__all__ = ["available", "put_dense", "put_rows", "put_vectors", "quantize"]
+__all__ = ["available", "put_dense", "put_vectors", "quantize"]
 
 BLOCK = 32
 
@@ -127,28 +129,21 @@ def put_vectors(data: np.ndarray, scale: np.ndarray, u: torch.Tensor, d: torch.T
     _put_vectors(data, scale, u.contiguous().numpy(), d.float().contiguous().numpy(), rows, pos, keys)
 
 
-# ---- dense writes: f32 rows rounded to a dense store's elements (f16, bf16 bits, f32) in place ----
+# ---- dense writes: f32 vectors rounded to a dense layer's elements (f16, bf16 bits, f32) in place ----
 @jit
-def _put_dense(kdat, vdat, knew, vnew, pos):
-    """knew, vnew (B, 1, H, D) f32 -> kdat, vdat (B, H, n_ctx, D) (as in _attend) at position pos[b] of sequence b."""
-    B, _, H, D = knew.shape
-    for b in range(B):
-        p = pos[b]
+def _put_dense(data, new, rows, pos):
+    """new (M, H, D) f32 -> data (B, H, n, D) at sequence rows[m], position pos[m]: the bits torch's conversion gives."""
+    M, H, D = new.shape
+    for m in range(M):
+        b, p = rows[m], pos[m]
+        if not (0 <= b < data.shape[0] and 0 <= p < data.shape[2]):  # no bounds checks in compiled code
+            raise IndexError("a dense write outside its store")
         for h in range(H):
             for e in range(D):
-                kdat[b, h, p, e] = from_f32(knew[b, 0, h, e], kdat[b, h, p, e])
-                vdat[b, h, p, e] = from_f32(vnew[b, 0, h, e], vdat[b, h, p, e])
+                data[b, h, p, e] = from_f32(new[m, h, e], data[b, h, p, e])
 
 
-def put_dense(kdat: np.ndarray, vdat: np.ndarray, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
-    """One new token per sequence (k, v (B, 1, Hkv, D) f32, any strides) into a dense K and V store layer's arrays
-    kdat, vdat (B, Hkv, n_ctx, D: f32, f16 bits as uint16, bf16 bits as int16) at pos, an int or (B,) each sequence's
-    own, in one compiled pass: the bits torch's conversions give, without their dozen ops."""
-    p = pos.numpy() if torch.is_tensor(pos) else np.full(k.shape[0], pos, np.int64)
-    _put_dense(kdat, vdat, k.numpy(), v.numpy(), p)
-
-
-def put_rows(kbits: np.ndarray, vbits: np.ndarray, k: torch.Tensor, v: torch.Tensor, slots: list[int]) -> None:
-    """k, v (B, 1, Hkv, D) f32 -> kbits, vbits (B, Hkv, n, D) f16 bits (any strides: a window's halves) at slot slots[b]
-    of row b, rounded as torch's conversion."""
-    _put_dense(kbits, vbits, k.numpy(), v.numpy(), np.array(slots, np.int64))
+def put_dense(data: np.ndarray, new: torch.Tensor, rows: np.ndarray, pos: np.ndarray) -> None:
+    """new (M, H, D) f32 (any strides) -> data (B, H, n, D: f32, f16 bits as uint16, bf16 bits as int16), vector m at
+    sequence rows[m], position pos[m] (int64 arrays), in one compiled pass: torch's rounding without its dozen ops."""
+    _put_dense(data, new.numpy(), rows, pos)
