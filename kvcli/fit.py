@@ -8,6 +8,8 @@ import math
 from pathlib import Path
 
 from kvcli.cache import CacheSpec, cache_bytes, resolve_type
+from kvcli.cache import layers as layer_types
+from kvcli.layer_mix import best_mix
 from kvcli.errors import KvcliError
 from kvcli.memory import WORKING_BYTES, largest_context
 
@@ -83,7 +85,7 @@ REFERENCE = CacheSpec("kv", "f16", "f16")  # llama.cpp's default cache, and the 
 
 
 def _types(spec: CacheSpec) -> tuple[str, ...]:
-    return (spec.type_h,) if spec.mode == "hidden" else (spec.type_k, spec.type_v)
+    return (spec.type_h,) if spec.mode == "hidden" else layer_types.all_types(spec.type_k, spec.type_v)
 
 
 def _rank(row: dict) -> tuple:
@@ -110,8 +112,15 @@ def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict[
         kld = sweep.get(ch)
         rows.append({"choice": ch.label, "spec": ch, "mode": ch.mode, "type_k": ch.type_k if ch.mode == "kv" else None,
                      "type_v": ch.type_v if ch.mode == "kv" else None, "type_h": ch.type_h if ch.mode == "hidden" else None,
-                     "window": ch.window, "bits": ch.bits_per_element(), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
+                     "window": ch.window, "bits": ch.bits_per_element(config.n_layers), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
                      "max_ctx": n, "kld": kld})
+    mix = best_mix(config, sweep, room, ctx_wanted)
+    if mix is not None:  # the per-layer types a sensitivity sweep (`--sweep layers:K/V`) leads to
+        ch, kld = mix
+        rows.append({"choice": f"per-layer mix (KLD estimated: {kld:.6f})", "spec": ch, "mode": "kv",
+                     "type_k": ch.type_k, "type_v": ch.type_v, "type_h": None, "window": ch.window,
+                     "bits": ch.bits_per_element(config.n_layers), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
+                     "max_ctx": largest_context(config, ch, room), "kld": kld})
     reach = [r for r in rows if r["max_ctx"] >= ctx_wanted]
     return rows, (min(reach, key=_rank) if reach else None)
 

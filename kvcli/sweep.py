@@ -17,13 +17,18 @@ from kvcli.memory import MIB
 from kvcli.perplexity import PplStats, chunk_logits, n_scored, score_chunk, token_nll
 
 
-def parse_sweep(spec: str, window: int | None = None, head_dims: tuple[int, int] | None = None) -> list[CacheSpec]:
+def parse_sweep(spec: str, window: int | None = None, head_dims: tuple[int, int] | None = None,
+                n_layers: int | None = None) -> list[CacheSpec]:
     """"f16/f16,q8_0/q4_0,q8_0,hidden:q4_0,q4_hadamard@16" -> cache choices: K/V pairs (a lone name is
     used for both), hidden-state types after "hidden:", and "all" / "hidden:all" for every registered
     storage type, so new cache types join the sweep. "@N" sets an entry's recent window; without it,
     `window` (--cache-window; None: the types' default). head_dims, the model's (K/V head size, hidden
-    store head size) once known: "all" leaves out the types whose blocks do not divide them."""
+    store head size) once known: "all" leaves out the types whose blocks do not divide them. K/V types may
+    differ by layer (`q8_0=0-1+tq3`, kvcli/cache/layers.py); "layers:K/V" is the per-layer sensitivity sweep:
+    one choice per layer with that layer alone at K/V and every other at f16 (n_layers, the model's, once
+    known; before, the entry is only checked)."""
     specs: list[CacheSpec] = []
+    per_layer = False  # a layers: entry (no choices until the model's layer count is known)
     for item in spec.split(","):
         item = item.strip().lower()
         if not item:
@@ -36,9 +41,14 @@ def parse_sweep(spec: str, window: int | None = None, head_dims: tuple[int, int]
                                  f"e.g. q4_hadamard@16")
             w = int(n)
         mode, _, types = item.rpartition(":")
-        if mode not in ("", "hidden"):
-            raise KvcliError(f"--sweep entry {item!r}: write K/V types (q8_0/q4_0) or hidden:TYPE")
+        if mode not in ("", "hidden", "layers"):
+            raise KvcliError(f"--sweep entry {item!r}: write K/V types (q8_0/q4_0), hidden:TYPE or layers:K/V")
         names = [types]
+        if mode == "layers":
+            k, _, v = types.partition("/")
+            CacheSpec("kv", k.strip(), (v or k).strip())  # checks the types before the model loads
+            names = [f"{k.strip()}={i}+f16/{(v or k).strip()}={i}+f16" for i in range(n_layers or 0)]
+            per_layer = True
         if types.strip() == "all":
             d = None if head_dims is None else head_dims[mode == "hidden"]
             names = [n for n, cls in STORAGE_TYPES.items() if d is None or d % cls.block_size == 0]
@@ -50,7 +60,7 @@ def parse_sweep(spec: str, window: int | None = None, head_dims: tuple[int, int]
                 found = CacheSpec("kv", k.strip(), (v or k).strip(), window=w)
             if found not in specs:
                 specs.append(found)
-    if not specs:
+    if not specs and not per_layer:
         raise KvcliError("--sweep needs cache choices, e.g. f16/f16,q8_0/q8_0,hidden:q8_0")
     return specs
 
@@ -121,7 +131,7 @@ def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: C
         rows.append(dict(
             cache=row_label(spec), mode=spec.mode, type_k=spec.type_k if kv else None,
             type_v=spec.type_v if kv else None, type_h=None if kv else spec.type_h, window=spec.window,
-            bits_per_element=spec.bits_per_element(),
+            bits_per_element=spec.bits_per_element(llm.config.n_layers),
             cache_mib=cache_bytes(llm.config, spec, n_ctx) / MIB, cache_mib_32k=cache_bytes(llm.config, spec, 32768) / MIB,
             ppl=s["ppl"], ppl_err=s["ppl_err"], delta_ppl_pct=100 * (s["ppl"] / base_ppl - 1),
             mean_kld=s["kld"], mean_kld_err=s["kld_err"], kld_99=s["kld_pct"][0.99], same_top_pct=100 * s["same_top"],

@@ -239,6 +239,7 @@ def test_rows_need_both_types_to_give_them(monkeypatch):
 @pytest.mark.parametrize("flash", [True, False])
 @pytest.mark.parametrize("mode, types", [("kv", dict(cache_type_k="q4_0", cache_type_v="q4_0")),
                                          ("kv", dict(cache_type_k="q8_0", cache_type_v="iq4_nl")),
+                                         ("kv", dict(cache_type_k="q8_0=0+q4_0", cache_type_v="q4_0=0+iq4_nl")),
                                          ("hidden", dict(cache_type_h="q4_0"))])
 def test_batched_prefill_equals_token_by_token_decode(tiny64, mode, types, flash):
     llm = _llm(tiny64, cache_mode=mode, cache_window=6, flash_attn=flash, **types)

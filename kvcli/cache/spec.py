@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kvcli.cache import layers
 from kvcli.cache.base import KVCache, resolve_type, window_for
 from kvcli.cache.hidden import HiddenCache
 from kvcli.errors import KvcliError
@@ -19,7 +20,9 @@ class CacheSpec:
     as type_h) or auto (hidden only where it is smaller than K+V at these types). window: the newest
     positions kept in f16 (kvcli/cache/window.py); None: the types' default (the hidden-state cache's own
     where a type sets one: Store.default_hidden_window). Once the mode is kv or
-    hidden it holds the window the cache keeps: 0 where every type is dense (f32, f16, bf16)."""
+    hidden it holds the window the cache keeps: 0 where every type is dense (f32, f16, bf16). type_k and type_v
+    may differ by layer (kvcli/cache/layers.py: `q8_0=0-1+tq3`); one window then serves every layer whose
+    types are not both dense."""
 
     mode: str = "kv"
     type_k: str = "f16"
@@ -34,10 +37,13 @@ class CacheSpec:
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
             raise KvcliError(f"--cache-window takes a count of positions, 0 or more, not {w!r}")
         # canonical names (aliases such as q4 resolved); unknown names fail here, before any loading
-        for field in ("type_k", "type_v", "type_h"):
-            object.__setattr__(self, field, resolve_type(getattr(self, field)).name)
+        for field in ("type_k", "type_v"):
+            object.__setattr__(self, field, layers.canonical(getattr(self, field)))
+        if layers.is_mixed(self.type_h):
+            raise KvcliError(f"-cth {self.type_h!r}: the hidden-state cache takes one type for every layer")
+        object.__setattr__(self, "type_h", resolve_type(self.type_h).name)
         if self.mode != "auto":  # canonical window too: a choice equals the same choice spelled out
-            types = (self.type_h,) if self.mode == "hidden" else (self.type_k, self.type_v)
+            types = (self.type_h,) if self.mode == "hidden" else layers.all_types(self.type_k, self.type_v)
             object.__setattr__(self, "window", window_for(types, w, hidden=self.mode == "hidden"))
 
     @property
@@ -50,11 +56,17 @@ class CacheSpec:
         """cache_bytes(config, self, n_ctx, n_seq): what a cache of this choice allocates."""
         return cache_bytes(config, self, n_ctx, n_seq)
 
-    def bits_per_element(self) -> float:
-        """Bits per cached element (hidden: of x; kv: the mean of K's and V's)."""
+    @property
+    def mixed(self) -> bool:
+        """K or V types differ by layer."""
+        return layers.is_mixed(self.type_k) or layers.is_mixed(self.type_v)
+
+    def bits_per_element(self, n_layers: int | None = None) -> float:
+        """Bits per cached element (hidden: of x; kv: the mean of K's and V's, over the model's n_layers where the
+        types differ by layer)."""
         if self.mode == "hidden":
             return resolve_type(self.type_h).bits_per_element()
-        return (resolve_type(self.type_k).bits_per_element() + resolve_type(self.type_v).bits_per_element()) / 2
+        return (layers.bits_per_element(self.type_k, n_layers) + layers.bits_per_element(self.type_v, n_layers)) / 2
 
     def resolved(self, config, n_ctx: int) -> "CacheSpec":
         """auto -> kv or hidden for this model and context."""
@@ -87,6 +99,8 @@ def cache_bytes(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1) -> int:
     c, s = config, spec.resolved(config, n_ctx)
     if s.mode == "hidden":
         return HiddenCache.bytes_needed(c.n_layers, n_seq, c.n_embd, n_ctx, s.type_h, s.window)
+    if s.mixed:
+        return layers.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v, s.window)
     return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v, s.window)
 
 
@@ -98,5 +112,11 @@ def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str 
     if s.mode == "hidden":
         return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, attention=attention, model=model,
                            window=s.window)
-    return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
-                   attention=attention, window=s.window)
+    make = layers.LayeredKV if s.mixed else KVCache
+    return make(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
+                attention=attention, window=s.window)
+
+
+def has_rows(spec: CacheSpec) -> bool:
+    """Can the server's slots be rows of one cache of this choice (KVCache.has_rows, every type of every layer)?"""
+    return spec.mode == "kv" and all(KVCache.has_rows(t, t) for t in layers.all_types(spec.type_k, spec.type_v))

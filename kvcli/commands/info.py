@@ -41,7 +41,7 @@ def info_command(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = M
         out.print(rich_table("resident weights per tensor type", ["type", "form", "tensors", "file MiB", "memory MiB"],
                               rows))
         # bytes per token at 2048 tokens: the window's fixed bytes spread over them
-        rows = [[ch.label, str(ch.window), f"{ch.bits_per_element():.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
+        rows = [[ch.label, str(ch.window), f"{ch.bits_per_element(c.n_layers):.2f}", f"{cache_bytes(c, ch, 2048) / 2048:,.0f}",
                  f"{cache_bytes(c, ch, 32768) / MIB:,.1f}"] for ch in choices(cache_window)]
         out.print(rich_table("cache bytes per token", ["cache", "window", "bits", "bytes/token", "MiB @ 32k"], rows))
         _print_kernels(out, c.head_dim)

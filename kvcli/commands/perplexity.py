@@ -143,13 +143,13 @@ def perplexity_command(
                       cache_type_h=base_spec.type_h, cache_window=base_spec.window)
         t_start = time.perf_counter()
         with _progress(err) as progress:
-            if specs:
-                n_passes = -(-n_chunk // n_seq) * (1 + sum(s != base_spec for s in specs))
-                task = progress.add_task("sweep", total=n_passes)
+            if specs is not None:
                 from kvcli.cache.hidden import store_head_dim
 
                 dims = (llm.config.head_dim, store_head_dim(llm.config.n_embd))  # "all": the types this model fits
-                specs = parse_sweep(sweep_spec, cache_window, dims)
+                specs = parse_sweep(sweep_spec, cache_window, dims, llm.config.n_layers)
+                n_passes = -(-n_chunk // n_seq) * (1 + sum(s != base_spec for s in specs))
+                task = progress.add_task("sweep", total=n_passes)
                 rows = sweep(llm, inputs, targets, n_seq, specs, base_spec, lambda: progress.advance(task))
             else:
                 task = progress.add_task("perplexity", total=n_chunk)

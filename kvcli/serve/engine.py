@@ -2,7 +2,7 @@
 
 Each of the -np slots owns a one-sequence cache of c / np cells, built as the Llama's own (which is
 slot 0's), so every cache type, the window, the hidden-state cache and the kernels work unchanged;
-K/V types that give `rows` views (every K/V type today: `KVCache.has_rows`) make the slots rows of one
+K/V types that give `rows` views (every K/V type today: kvcli/cache/spec.py `has_rows`) make the slots rows of one
 cache instead (`slot_caches`), so that a step's decode tokens attend as one batch.
 One step (llama-server's update_slots) is one forward (Transformer.forward_slots, through the step's
 slots as one cache: kvcli/serve/slots.py): a token for every decoding slot, then prompt chunks of the
@@ -26,7 +26,8 @@ from typing import Callable
 
 import torch
 
-from kvcli.cache import KVCache, make_cache
+from kvcli.cache import make_cache
+from kvcli.cache.spec import has_rows
 from kvcli.chat import common_prefix
 from kvcli.errors import KvcliError
 from kvcli.sampler import Sampler
@@ -116,12 +117,12 @@ class Slot:
 
 
 def slot_caches(llm, n_slots: int) -> list:
-    """One one-sequence cache per slot. K/V types with `rows` views (KVCache.has_rows): the rows of one
+    """One one-sequence cache per slot. K/V types with `rows` views (spec.has_rows): the rows of one
     n_slots-sequence cache, which replaces the Llama's own, so a step's decode tokens attend as one batch;
     the hidden-state cache (and a type without them): the Llama's cache (slot 0's) and n_slots - 1 more like
     it, each attending alone."""
     spec = llm.cache_spec
-    if n_slots > 1 and spec.mode == "kv" and KVCache.has_rows(spec.type_k, spec.type_v):
+    if n_slots > 1 and has_rows(spec):
         llm.cache = None  # freed before the slots' cache is made: never both at once
         base = make_cache(llm.config, spec, llm.n_ctx, n_slots, device=llm.device, attention=llm.attention)
         caches = [base.rows(i, i + 1) for i in range(n_slots)]
