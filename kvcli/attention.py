@@ -390,9 +390,10 @@ table.register(Entry(QUANTIZE, "any", frozenset(), "the store's quantize_referen
                      lambda store, y: store.quantize_reference(y)), reference=True)
 
 
-# WRITE: run(layout, arrays, values, rows, pos): vector m of values to sequence rows[m], position pos[m] of a layer
+# WRITE: run(layout, arrays, values, rows, pos): vector m of values[i] into arrays[i] at sequence rows[m], position
+# pos[m] of a layer (a dense type: its data, or a K and V pair of one type in one call)
 def _cpu_dense_write(layout, arrays, values, rows, pos):
-    _cpu_module("quantize").put_dense(arrays[0], values[0], rows, pos)
+    _cpu_module("quantize").put_dense(arrays, values, rows, pos)
 
 
 def _cpu_rotated_write(layout, arrays, values, rows, pos):

@@ -6,9 +6,10 @@ A role is one job with one signature for all its entries:
   HIDDEN    the same over a hidden-state cache (its K/V rebuilt from the stored x);
   QUANTIZE  quantize on write: run(layout, y (B, T, H, D) f32) -> the format's codes before they are laid out
             (a ggml type's blocks (B, T, H, row_bytes); a rotated type's codes and scales);
-  WRITE     lay vectors into a store's bytes: run(layout, arrays, values, rows, pos) -> None, vector m of values
-            (a dense type's f32 (M, H, D); a rotated type's codes and scales) to sequence rows[m], position pos[m]
-            of a layer's numpy views (Operands.arrays); its reference is the store's own torch writes (no run);
+  WRITE     lay vectors into a store's bytes: run(layout, arrays, values, rows, pos) -> None, vector m of values[i]
+            into arrays[i] (a layer's numpy views, Operands.arrays) at sequence rows[m], position pos[m] (a dense
+            type's f32 (M, H, D), or a K and V pair of one dense type; a rotated type's codes and scales); its
+            reference is the store's own torch writes (no run);
   PRODUCT   the weight product: run(form, x (..., K) f32) -> (..., N) f32, x @ W.T for a resident form;
   ROWS      dequantize rows: run(form, start, stop, dtype) -> W.T's slab (K, stop - start) of that dtype;
   NORM      RMSNorm: run(x, weight, eps) -> x / sqrt(mean(x^2) + eps) * weight.

@@ -21,12 +21,15 @@ class DenseStore(Store):
         super().__init__(*args, **kwargs)
         self.data = lazy_zeros((self.n_layers, self.batch, self.n_heads, self.n_ctx, self.head_dim),
                                self.dtype, self.device)
+        self._layout = KernelLayout(self.kind)
+        self._rows = np.arange(self.batch, dtype=np.int64)  # a decode write's sequences 0..B-1 (a rows view's too)
 
     def nbytes(self) -> int:
         return self.data.numel() * self.data.element_size()
 
     def kernel_layout(self) -> KernelLayout:
-        return KernelLayout(self.kind)
+        return self._layout
+
 
     def store(self, layer: int, x: torch.Tensor, pos: int | torch.Tensor) -> None:
         """pos: an int, or at decode (T = 1) a (B,) tensor, each sequence's own position."""
@@ -37,14 +40,14 @@ class DenseStore(Store):
 
     def store_pair(self, other: "DenseStore", layer: int, x: torch.Tensor, y: torch.Tensor,
                    pos: int | torch.Tensor) -> None:
-        """One new token per sequence: through the bound writer where there is one (a compiled pass on the CPU)."""
+        """One new token per sequence: K and V through the bound writer in one call where there is one (a compiled
+        pass on the CPU)."""
         if self.writer is None or x.shape[1] != 1:
             return super().store_pair(other, layer, x, y, pos)
         B = x.shape[0]
-        rows = np.arange(B, dtype=np.int64)
         at = pos.numpy() if torch.is_tensor(pos) else np.full(B, pos, np.int64)
-        for s, new in ((self, x), (other, y)):
-            s.writer(s.kernel_layout(), s.operands(layer).arrays, (new[:, 0],), rows, at)
+        self.writer(self._layout, (self.operands(layer).arrays[0], other.operands(layer).arrays[0]),
+                    (x[:, 0], y[:, 0]), self._rows[:B], at)
 
     def load(self, layer: int, start: int, end: int) -> torch.Tensor:
         return self.data[layer, :, :, start:end].float()  # a view (no copy) for f32

@@ -36,6 +36,9 @@ import torch
 from kvcli.kernels.layout import Kind, KernelLayout
 
 
+_F16 = KernelLayout(Kind.F16)  # the ring's elements, as its writer takes them
+
+
 @dataclass(frozen=True)
 class RowsWindow:
     """What `Ring.push_rows` gives attention: ring (B, H, N, D) f16, each row's whole ring in slot order (the
@@ -81,7 +84,7 @@ class Ring:
         return self.data.device
 
     def kernel_layout(self) -> KernelLayout:
-        return KernelLayout(Kind.F16)
+        return _F16
 
     def rows(self, start: int, stop: int) -> Ring:
         """Sequences start..stop-1 as a ring of their own over the same bytes and bookkeeping (a view)."""
@@ -167,9 +170,8 @@ class Ring:
             if halves is None:
                 bits, h = ring.view(torch.uint16), ring.shape[1] // 2
                 halves = self._halves[layer] = (bits[:, :h].numpy(), bits[:, h:].numpy())
-            rows, slots = np.arange(len(pos), dtype=np.int64), np.array([p % self.size for p in pos], np.int64)
-            for half, new in zip(halves, (k, v)):
-                self.writer(self.kernel_layout(), (half,), (new[:, 0],), rows, slots)
+            slots = np.array([p % self.size for p in pos], np.int64)
+            self.writer(_F16, halves, (k[:, 0], v[:, 0]), np.arange(len(pos), dtype=np.int64), slots)
             return
         slots = torch.tensor([p % self.size for p in pos], device=ring.device)
         ring[self.seqs, :, slots] = torch.cat([k, v], 2)[:, 0].to(torch.float16)

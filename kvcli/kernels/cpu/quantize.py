@@ -131,19 +131,23 @@ def put_vectors(data: np.ndarray, scale: np.ndarray, u: torch.Tensor, d: torch.T
 
 # ---- dense writes: f32 vectors rounded to a dense layer's elements (f16, bf16 bits, f32) in place ----
 @jit
-def _put_dense(data, new, rows, pos):
-    """new (M, H, D) f32 -> data (B, H, n, D) at sequence rows[m], position pos[m]: the bits torch's conversion gives."""
+def _put_dense(data, new, data2, new2, rows, pos):
+    """new (M, H, D) f32 -> data (B, H, n, D) at sequence rows[m], position pos[m], and new2 -> data2 likewise (a K and
+    V pair in one pass; data2 is data and new2 new for a single write): the bits torch's conversion gives."""
     M, H, D = new.shape
     for m in range(M):
         b, p = rows[m], pos[m]
-        if not (0 <= b < data.shape[0] and 0 <= p < data.shape[2]):  # no bounds checks in compiled code
-            raise IndexError("a dense write outside its store")
+        if not (0 <= b < data.shape[0] and 0 <= p < data.shape[2] and b < data2.shape[0] and p < data2.shape[2]):
+            raise IndexError("a dense write outside its store")  # no bounds checks in compiled code
         for h in range(H):
             for e in range(D):
                 data[b, h, p, e] = from_f32(new[m, h, e], data[b, h, p, e])
+                data2[b, h, p, e] = from_f32(new2[m, h, e], data2[b, h, p, e])
 
 
-def put_dense(data: np.ndarray, new: torch.Tensor, rows: np.ndarray, pos: np.ndarray) -> None:
-    """new (M, H, D) f32 (any strides) -> data (B, H, n, D: f32, f16 bits as uint16, bf16 bits as int16), vector m at
-    sequence rows[m], position pos[m] (int64 arrays), in one compiled pass: torch's rounding without its dozen ops."""
-    _put_dense(data, new.numpy(), rows, pos)
+def put_dense(arrays: tuple, values: tuple, rows: np.ndarray, pos: np.ndarray) -> None:
+    """values[i] (M, H, D) f32 (any strides) -> arrays[i] (B, H, n, D: f32, f16 bits as uint16, bf16 bits as int16),
+    one array or a K and V pair of the same dtype, vector m at sequence rows[m], position pos[m] (int64 arrays), in
+    one compiled pass: torch's rounding without its dozen ops."""
+    new = [v.numpy() for v in values]
+    _put_dense(arrays[0], new[0], arrays[-1], new[-1], rows, pos)
