@@ -105,9 +105,9 @@ def warm_up(cache) -> None:
     """Load the CPU decode kernel this cache will run (from numba's cache: a fraction of a second; compiled the
     first time: seconds) now, with the model, not in the first token's time. A cache of per-layer types
     (kvcli/cache/layers.py) loads each of its groups' kernels."""
-    for part, _ in getattr(cache, "parts", ()):
-        warm_up(part)
-    if not hasattr(cache.k, "kernel_layout"):
+    if hasattr(cache, "parts"):
+        for part, _ in cache.parts:
+            warm_up(part)
         return
     k, v = cache.k.kernel_layout(), cache.v.kernel_layout()
     if k is None or v is None:

@@ -106,23 +106,20 @@ def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict[
     KLD where the sweep has it; and the recommendation: the best by `_rank` among the choices reaching
     ctx_wanted (None if none does)."""
     room = mem - weight_bytes - WORKING_BYTES
-    rows = []
-    for ch in choices(window):
-        n = largest_context(config, ch, room)
-        kld = sweep.get(ch)
-        rows.append({"choice": ch.label, "spec": ch, "mode": ch.mode, "type_k": ch.type_k if ch.mode == "kv" else None,
-                     "type_v": ch.type_v if ch.mode == "kv" else None, "type_h": ch.type_h if ch.mode == "hidden" else None,
-                     "window": ch.window, "bits": ch.bits_per_element(config.n_layers), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
-                     "max_ctx": n, "kld": kld})
+    rows = [_row(config, ch, room, sweep.get(ch), ch.label) for ch in choices(window)]
     mix = best_mix(config, sweep, room, ctx_wanted)
     if mix is not None:  # the per-layer types a sensitivity sweep (`--sweep layers:K/V`) leads to
-        ch, kld = mix
-        rows.append({"choice": f"per-layer mix (KLD estimated: {kld:.6f})", "spec": ch, "mode": "kv",
-                     "type_k": ch.type_k, "type_v": ch.type_v, "type_h": None, "window": ch.window,
-                     "bits": ch.bits_per_element(config.n_layers), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
-                     "max_ctx": largest_context(config, ch, room), "kld": kld})
+        rows.append(_row(config, mix[0], room, mix[1], f"per-layer mix (KLD estimated: {mix[1]:.6f})"))
     reach = [r for r in rows if r["max_ctx"] >= ctx_wanted]
     return rows, (min(reach, key=_rank) if reach else None)
+
+
+def _row(config, ch: CacheSpec, room: int, kld: float | None, label: str) -> dict:
+    kv = ch.mode == "kv"
+    return {"choice": label, "spec": ch, "mode": ch.mode, "type_k": ch.type_k if kv else None,
+            "type_v": ch.type_v if kv else None, "type_h": None if kv else ch.type_h, "window": ch.window,
+            "bits": ch.bits_per_element(config.n_layers), "bytes_per_token": cache_bytes(config, ch, 2048) / 2048,
+            "max_ctx": largest_context(config, ch, room), "kld": kld}
 
 
 def basis(best: dict, sweep_name: str | None) -> str:

@@ -94,9 +94,11 @@ def all_types(*spellings: str) -> tuple[str, ...]:
 
 
 def bits_per_element(spelling: str, n_layers: int | None = None) -> float:
-    """Mean bits per element over the layers (over the named types where the layer count is unknown)."""
+    """Mean bits per element over the model's n_layers layers (needed only where the types differ by layer)."""
+    if not is_mixed(spelling):
+        return resolve_type(spelling).bits_per_element()
     if n_layers is None:
-        return sum(resolve_type(t).bits_per_element() for t in all_types(spelling)) / len(all_types(spelling))
+        raise ValueError(f"the bits of {spelling!r} depend on the model's layer count")
     types = per_layer(spelling, n_layers)
     return sum(resolve_type(t).bits_per_element() for t in types) / n_layers
 
@@ -130,14 +132,12 @@ class LayeredKV:
     its group's cache at its index there. The model, the server and the planner see the Cache protocol."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 type_k: str, type_v: str, device: str = "cpu", *, attention, window: int = 0, _parts=None):
+                 type_k: str, type_v: str, device: str = "cpu", *, attention, window: int = 0):
         self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
         self.type_k, self.type_v = canonical(type_k), canonical(type_v)
-        if _parts is None:
-            _parts = [(KVCache(len(layers), batch, n_kv_heads, n_ctx, head_dim, tk, tv, device,
+        self.parts = [(KVCache(len(layers), batch, n_kv_heads, n_ctx, head_dim, tk, tv, device,
                                attention=attention, window=window_for((tk, tv), window)), layers)
-                      for (tk, tv), layers in groups(type_k, type_v, n_layers).items()]
-        self.parts = _parts  # [(KVCache, its model layers)]
+                      for (tk, tv), layers in groups(type_k, type_v, n_layers).items()]  # [(KVCache, its layers)]
         self._index()
 
     def _index(self) -> None:
@@ -147,10 +147,6 @@ class LayeredKV:
                 self.route[layer] = (cache, j)
         self.k = _Side(self.type_k, [cache.k for cache, _ in self.parts])
         self.v = _Side(self.type_v, [cache.v for cache, _ in self.parts])
-
-    @staticmethod
-    def has_rows(type_k: str, type_v: str) -> bool:
-        return all(KVCache.has_rows(t, t) for t in all_types(type_k, type_v))
 
     def rows(self, start: int, stop: int) -> "LayeredKV":
         view = LayeredKV.__new__(LayeredKV)
