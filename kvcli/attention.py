@@ -81,7 +81,8 @@ class Attention:
         if not self.flash or k is None or v is None:
             return _MATERIALIZED
         return table.choose(ATTEND, device_of(q), (k.kind, v.kind), decode=q.shape[1] == 1,
-                            per_row=torch.is_tensor(pos), head_dim=q.shape[-1], k=k, v=v)
+                            per_row=torch.is_tensor(pos), head_dim=q.shape[-1], k=k, v=v,
+                            key_bias=cache.key_bias is not None)
 
     def hidden(self, q: torch.Tensor, cache, layer: int, pos: int, recent: Recent | None = None) -> torch.Tensor:
         """The same over a hidden-state cache, whose K/V are rebuilt from the stored x (the entry chosen once per
@@ -128,6 +129,7 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     # Group the query heads of each KV head: (B, Hkv, G*T, D); row r = g*T + t. No K/V repeat.
     qm = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D) * (1.0 / math.sqrt(D))
     qg = cache.k.to_storage(qm)  # the stores' space; the window is read in the model's (qm)
+    key_bias = getattr(cache, "key_bias", None)
     chunk = max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * D))
     # Query row r sits at position i = pos + r % T and reads the store below lim_i: lim_i = i + 1 (causal)
     # without a window, max(i - N + 1, recent.start) with one (the rest, up to i, from the window).
@@ -149,6 +151,8 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
 
     def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, G*T, c1 - c0)
         s = cache.k.scores(layer, qg, c0, c1)
+        if key_bias is not None:  # keys stored less their bias: q . R(p) b back (kvcli/cache/key_bias.py)
+            s = s + key_bias.scores(layer, qm, c0, c1)
         if c1 > first:  # the chunk reaches a row's limit: that row reads no further here
             s = s.masked_fill(torch.arange(c0, c1, device=q.device) >= lim, float("-inf"))
         return s
@@ -231,8 +235,14 @@ def attend_triton(q: torch.Tensor, cache, layer: int, pos: int, recent: Recent |
     v = StoreTensors(cache.v.kernel_layout(), *cache.v.kernel_operands(layer))
     window = None if recent is None else Window(cache.k.to_storage(recent.k), cache.v.to_storage(recent.v),
                                                 recent.start, recent.size)
+    key_bias = None
+    if cache.key_bias is not None:  # (u, w) of each query row, grouped as the kernel's rows r = t * G + g
+        B, T, H, D = q.shape
+        Hkv = cache.k.n_heads
+        rows = q.float().reshape(B, T, Hkv, H // Hkv, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, -1, D)
+        key_bias = (cache.key_bias.query(layer, rows), cache.key_bias.table)
     out = cache.v.from_storage(attend_kernel(cache.k.to_storage(q.float()), k, v, pos, window=window,
-                                             **launch))  # (B, T, H, D)
+                                             key_bias=key_bias, **launch))  # (B, T, H, D)
     return out.flatten(2)
 
 
@@ -295,8 +305,12 @@ def _cpu_decode(module: str):
         B, _, H, D = q.shape
         Hkv = cache.k.n_heads
         lim, window = decode_reads(B, pos, recent)
-        out = _cpu_module(module).attend(q.reshape(B, Hkv, H // Hkv, D), cache.k.operands(layer),
-                                         cache.v.operands(layer), lim, window)  # (B, Hkv, G, D): T = 1
+        qg = q.reshape(B, Hkv, H // Hkv, D)
+        extra = None
+        if cache.key_bias is not None:  # q . R(p) b of the stored positions, scaled as the scores: (B, Hkv, G, P)
+            extra = cache.key_bias.scores(layer, qg * (1.0 / math.sqrt(D)), 0, int(lim.max())).numpy()
+        out = _cpu_module(module).attend(qg, cache.k.operands(layer), cache.v.operands(layer), lim, window,
+                                         extra)  # (B, Hkv, G, D): T = 1
         return out.view(B, 1, H * D)
 
     run.module = module

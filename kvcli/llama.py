@@ -68,7 +68,7 @@ class Llama:
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
                  device: str = "cpu", log: Callable[[str], None] | None = None, cache_mode: str = "kv",
                  cache_type_h: str = "f16", shape: str | None = None, weights: str = "native",
-                 cache_window: int | None = None):
+                 cache_window: int | None = None, cache_key_bias: str = "auto"):
         """Load the model and allocate its cache.
 
         model_path: a GGUF file; left out, the default model (SmolLM2-135M-Instruct Q4_1) from the
@@ -84,6 +84,7 @@ class Llama:
         cache_window: the newest positions of each layer kept in f16 and quantized only when they leave,
             as --cache-window (kvcli/cache/window.py); None: the types' default (0 for llama.cpp's
             types); ignored (0) where every cache type is dense (f32, f16, bf16).
+        cache_key_bias: auto, on or off, as --key-bias: keys stored less the model's K bias (kvcli/cache/key_bias.py).
         batch_size: tokens per forward pass when prefilling.  n_seq: sequences the cache holds.
         threads: torch CPU threads (None: torch's choice).  flash_attn: the fused attention path.
         device: cpu or cuda.  log: called with each progress line (the cache's size; a fetch's).
@@ -121,7 +122,7 @@ class Llama:
 
         # kv, hidden or auto -> kv / hidden (auto: hidden only where smaller than K+V at these types)
         self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h,
-                                    cache_window).resolved(c, self.n_ctx)
+                                    cache_window, cache_key_bias).resolved(c, self.n_ctx)
         self.cache_mode = self.cache_spec.mode
         self.attention = Attention(flash=flash_attn)  # how every cache of this run attends
         untied = not self.synthetic and "output.weight" in self.gguf.tensors
@@ -213,10 +214,12 @@ class Llama:
         return make_cache(self.config, spec, self.n_ctx, self.n_seq, device=self.device, attention=self.attention,
                           model=self.model)
 
-    def logits(self, ids: str | Sequence[int] | torch.Tensor, cache=None) -> torch.Tensor:
-        """Fresh cache, prefill `ids` (T,) or (B, T) in batches; all logits (T, V) or (B, T, V) f32.
-        Text is tokenized first, as in `generate`. cache: one from `new_cache` to run through
-        instead of the model's own (which then forgets sequence 0, as `reset`).
+    def logits(self, ids: str | Sequence[int] | torch.Tensor, cache=None, first: int = 0,
+               stop: int | None = None) -> torch.Tensor:
+        """Fresh cache, prefill `ids` (T,) or (B, T) in batches; the logits of positions first..stop-1 (all by
+        default) (n, V) or (B, n, V) f32, the others never made (the output head only for those rows). Text is
+        tokenized first, as in `generate`. cache: one from `new_cache` to run through instead of the model's own
+        (which then forgets sequence 0, as `reset`).
 
         Raises KvcliError: no tokens, ragged rows, more rows than n_seq, more than ctx_size tokens,
         an id outside the vocabulary."""
@@ -241,12 +244,22 @@ class Llama:
         n = tokens.shape[0]
         if n < self.n_seq:  # fill the cache's other sequences with copies; their logits are dropped
             tokens = torch.cat([tokens, tokens[-1:].expand(self.n_seq - n, -1)])
-        out = [self.model(tokens[:, i : i + self.batch_size], cache, i)
-               for i in range(0, tokens.shape[1], self.batch_size)]
+        T = tokens.shape[1]
+        stop = T if stop is None else min(stop, T)
+        out = None  # (n_seq, stop - first, V), filled batch by batch: never a second copy
+        for i in range(0, T, self.batch_size):
+            t = min(self.batch_size, T - i)
+            keep = min(max(first - i, 0), t - 1)  # the batch's rows from here reach the head (at least one)
+            logits = self.model(tokens[:, i : i + t], cache, i, from_row=keep)  # rows keep..t-1
+            lo, hi = max(first, i + keep), min(stop, i + t)
+            if hi > lo:
+                if out is None:
+                    out = torch.empty(tokens.shape[0], stop - first, logits.shape[-1], device=logits.device)
+                out[:, lo - first : hi - first] = logits[:, lo - i - keep : hi - i - keep]
         if cache is self.cache:
             self.n_past = 0
-        logits = (out[0] if len(out) == 1 else torch.cat(out, dim=1))[:n]  # one batch: no copy
-        return logits[0] if single else logits
+        out = out[:n]
+        return out[0] if single else out
 
     def _check_append(self, ids: list[int]) -> None:
         if not ids:

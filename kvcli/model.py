@@ -99,8 +99,10 @@ class Transformer(nn.Module):
         return sum(f.nbytes for f in self.forms().values()) + norms
 
     @torch.inference_mode()
-    def forward(self, tokens: torch.Tensor, cache: Cache, pos: int, last_only: bool = False) -> torch.Tensor:
-        """tokens (B, T) at positions pos..pos+T-1 -> logits (B, T or 1, vocab) f32."""
+    def forward(self, tokens: torch.Tensor, cache: Cache, pos: int, last_only: bool = False,
+                from_row: int = 0) -> torch.Tensor:
+        """tokens (B, T) at positions pos..pos+T-1 -> logits (B, T or 1, vocab) f32; from_row: of rows from_row..T-1
+        only (B, T - from_row, vocab)."""
         T = tokens.shape[1]
         h = self.tok_embd.rows(tokens)  # (B, T, n_embd) f32
         rot = self.rot[pos : pos + T]
@@ -108,6 +110,8 @@ class Transformer(nn.Module):
             h = block(h, cache, pos, rot)
         if last_only:
             h = h[:, -1:]
+        elif from_row:
+            h = h[:, from_row:]
         h = rms_norm(h, self.output_norm, self.c.rms_eps)
         return self.output.matmul(h)
 

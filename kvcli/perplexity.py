@@ -115,10 +115,13 @@ SCORE_ROWS = 16  # scored positions whose full-vocabulary log-probs (and KLD ter
 
 
 def chunk_logits(llm, inputs: "torch.Tensor", n_seq: int, cache=None) -> Iterable[tuple[int, "torch.Tensor"]]:
-    """Yield (chunk index, logits (n_ctx, V)), running n_seq chunks per forward (fresh cache each).
-    The forward's logits are dropped once its chunks are consumed."""
+    """Yield (chunk index, logits (n_scored, V) of its scored positions), running n_seq chunks per forward (fresh
+    cache each). Only those rows go through the output head (at -c 32768 all of them would be 20 GB in f32 for a
+    152k vocabulary); the forward's logits are dropped once its chunks are consumed."""
+    n_ctx = inputs.shape[1]
+    first = first_scored(n_ctx)
     for i in range(0, inputs.shape[0], n_seq):
-        logits = llm.logits(inputs[i : i + n_seq], cache=cache)  # (B, n_ctx, V)
+        logits = llm.logits(inputs[i : i + n_seq], cache=cache, first=first, stop=first + n_scored(n_ctx))
         for b in range(logits.shape[0]):
             yield i + b, logits[b]
         del logits
@@ -128,18 +131,17 @@ def score_chunk(logits: "torch.Tensor", score: Callable, rows: int | None = None
     """Apply score(positions, log_probs) to one chunk's scored positions, `rows` at a time, and
     concatenate what it returns (a tensor (r,) or a dict of them) into (n_scored,) per key.
 
-    logits (n_ctx, V); positions is a slice of 0..n_scored-1 (index targets with it) and log_probs
-    its f32 log-softmax (r, V): only one such block of the vocabulary-wide terms is live at a time.
-    Row-wise operations give each position the same bits whatever `rows` is."""
+    logits (n_scored, V), the scored positions' (chunk_logits'); positions is a slice of 0..n_scored-1 (index
+    targets with it) and log_probs its f32 log-softmax (r, V): only one such block of the vocabulary-wide terms is
+    live at a time. Row-wise operations give each position the same bits whatever `rows` is."""
     import torch
 
     rows = SCORE_ROWS if rows is None else rows
-    n_ctx = logits.shape[0]
-    first, n = first_scored(n_ctx), n_scored(n_ctx)
+    n = logits.shape[0]
     parts = []
     for r in range(0, n, rows):
         pos = slice(r, min(r + rows, n))
-        lp = torch.log_softmax(logits[first + pos.start : first + pos.stop].float(), dim=-1)
+        lp = torch.log_softmax(logits[pos].float(), dim=-1)
         parts.append(score(pos, lp))
         del lp
     if isinstance(parts[0], dict):

@@ -20,6 +20,7 @@ from kvcli import kernel_table as table
 from kvcli.attention import Attention, attend_reference
 from kvcli.cache import STORAGE_TYPES, KVCache
 from kvcli.cache.dense import DenseStore
+from kvcli.cache.key_bias import KeyBias
 from kvcli.kernels.layout import KernelLayout, Kind
 
 D, HKV, G = 64, 2, 2
@@ -55,9 +56,21 @@ def _runnable(entry: table.Entry) -> None:
         pytest.skip(f"{entry.name}: {reason}")
 
 
-def _filled(type_k: str, type_v: str, window: int, g: torch.Generator) -> KVCache:
-    """Rows b at depths LENS[b] (keys an offset away from 0, as real keys are)."""
-    cache = KVCache(1, len(LENS), HKV, max(LENS) + 8, D, type_k, type_v, attention=Attention(), window=window)
+def key_bias(n_ctx: int, neox: bool = True, scale: float = 20.0) -> KeyBias:
+    """A K bias of a few large channels (as qwen2's first layers have) and a RoPE table for n_ctx positions."""
+    g = torch.Generator().manual_seed(7)
+    bias = torch.randn(1, HKV, D, generator=g)
+    bias[..., :: D // 4] *= scale
+    theta = 1.0 / (10000 ** (torch.arange(0, D, 2, dtype=torch.float64) / D))
+    rot = torch.polar(torch.full((n_ctx, D // 2), 1.1), torch.outer(torch.arange(n_ctx, dtype=torch.float64), theta).float())
+    return KeyBias(bias, rot, neox)
+
+
+def _filled(type_k: str, type_v: str, window: int, g: torch.Generator, biased: bool = False) -> KVCache:
+    """Rows b at depths LENS[b] (keys an offset away from 0, as real keys are); biased: keys stored less a K bias."""
+    n_ctx = max(LENS) + 8
+    cache = KVCache(1, len(LENS), HKV, n_ctx, D, type_k, type_v, attention=Attention(), window=window,
+                    key_bias=key_bias(n_ctx) if biased else None)
     for b, n in enumerate(LENS):
         cache.rows(b, b + 1).store(0, torch.randn(1, n, HKV, D, generator=g) * 2 + 0.5,
                                    torch.randn(1, n, HKV, D, generator=g), 0)
@@ -66,14 +79,16 @@ def _filled(type_k: str, type_v: str, window: int, g: torch.Generator) -> KVCach
 
 def check_attend(entry: table.Entry, type_k: str, type_v: str) -> None:
     """Decode steps of 4 rows at their own depths (1 to 4,096) and of 1 row at an int position, with and without a
-    recent window (sinks included where the type keeps them): the entry's result is the reference's."""
-    for window in (0, 16):
+    recent window (sinks included where the type keeps them), and with keys stored less a K bias: the entry's result
+    is the reference's."""
+    for window, biased in ((0, False), (16, False), (0, True), (16, True)):
         g = torch.Generator().manual_seed(window)
-        cache = _filled(type_k, type_v, window, g)
+        cache = _filled(type_k, type_v, window, g, biased)
         k, layouts = cache.k.kernel_layout(), (cache.k.kernel_layout(), cache.v.kernel_layout())
         for rows, pos in ((cache, torch.tensor(LENS)), (cache.rows(3, 4), LENS[3])):
             B = rows.batch
-            shape = dict(decode=True, per_row=torch.is_tensor(pos), head_dim=D, k=layouts[0], v=layouts[1])
+            shape = dict(decode=True, per_row=torch.is_tensor(pos), head_dim=D, k=layouts[0], v=layouts[1],
+                         key_bias=biased)
             if not entry.covers(**shape):
                 continue
             if torch.is_tensor(pos):
@@ -84,7 +99,8 @@ def check_attend(entry: table.Entry, type_k: str, type_v: str) -> None:
             got = entry.run(q, rows, 0, pos, recent)
             ref = attend_reference(q, rows, 0, pos, recent=recent)
             torch.testing.assert_close(got, ref, rtol=entry.tol, atol=entry.tol * ref.abs().max().item(),
-                                       msg=lambda m: f"{entry.name} {type_k}/{type_v} window {window}: {m}")
+                                       msg=lambda m: f"{entry.name} {type_k}/{type_v} window {window} "
+                                                     f"{'keys less a bias ' if biased else ''}{m}")
         assert k is not None
 
 

@@ -303,3 +303,22 @@ def test_dispatcher(monkeypatch):
     torch.testing.assert_close(Attention()(q, cache, 0, 0, recent), attend_reference(q, cache, 0, 0, recent=recent),
                                rtol=1e-4, atol=1e-4)
     assert cache.kernels[(False, False, "cuda", True)] is attend_triton
+
+
+@pytest.mark.parametrize("kind", ["q8_0", "q4_hadamard", "tq3"])
+@pytest.mark.parametrize("N", [0, 8])
+def test_attention_keys_less_their_bias(kind, N):
+    """Keys stored less a K bias (kvcli/cache/key_bias.py): the kernel adds q . R(p) b to each store score as the
+    reference does, in prefills and in decode split in 3, with and without a recent window."""
+    from test_kernel_table import key_bias
+
+    B, H, Hkv, D = 1, 6, 2, 64
+    cache = KVCache(1, B, Hkv, 64, D, kind, kind, window=N, attention=Attention(), key_bias=key_bias(64))
+    g = torch.Generator().manual_seed(9)
+    pos = 0
+    for T, splits in [(5, None), (20, None), (7, None), (1, 3), (1, 3)]:
+        recent = cache.store(0, torch.randn(B, T, Hkv, D, generator=g), torch.randn(B, T, Hkv, D, generator=g), pos)
+        q = torch.randn(B, T, H, D, generator=g)
+        out = attend_triton(q, cache, 0, pos, recent, num_splits=splits, block_n=8)
+        _check(out, attend_reference(q, cache, 0, pos, recent=recent), f"{kind} T={T} pos={pos}")
+        pos += T

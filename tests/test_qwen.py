@@ -62,9 +62,11 @@ def _reference(model, ids=IDS) -> torch.Tensor:
 
 KV = dict(cache_type_k="f32", cache_type_v="f32")
 HIDDEN = dict(cache_mode="hidden", cache_type_h="f32")
+KEYS_LESS_BIAS = dict(KV, cache_key_bias="on")  # kvcli/cache/key_bias.py over f32: the same logits
+CACHES = pytest.mark.parametrize("cache", [KV, HIDDEN, KEYS_LESS_BIAS], ids=["kv", "hidden", "kv-keys-less-bias"])
 
 
-@pytest.mark.parametrize("cache", [KV, HIDDEN], ids=["kv", "hidden"])
+@CACHES
 def test_logits_equal_transformers(case, cache):
     """One prefill, then the same ids token by token: both within 1e-4 of transformers."""
     _, model, path, _ = case
@@ -75,7 +77,7 @@ def test_logits_equal_transformers(case, cache):
     assert (steps - ref).abs().max().item() <= 1e-4
 
 
-@pytest.mark.parametrize("cache", [KV, HIDDEN], ids=["kv", "hidden"])
+@CACHES
 def test_small_batches_and_chunked_attention(case, cache, monkeypatch):
     """3-token batches over 8-position attention chunks: the hidden cache's values add bv times each
     chunk's own sum of p (the online softmax rescales chunks, so a bias added once would be wrong)."""

@@ -219,8 +219,11 @@ class KVCache:
     types' default); 0: every position goes straight into the stores."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", *, attention, window: int = 0):
+                 type_k: str = "f16", type_v: str = "f16", device: str = "cpu", *, attention, window: int = 0,
+                 key_bias=None):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
+        # keys stored less their bias, q . R(p) b added back on read (kvcli/cache/key_bias.py); None: as they come
+        self.key_bias = key_bias
         # how to attend (kvcli.attention.Attention: the -fa choice and the kernels it chose); the cache only holds it
         self.attend = attention
         self.kernels: dict = {}  # the attention entries chosen for this cache, by shape (Attention.__call__)
@@ -283,7 +286,7 @@ class KVCache:
             kv = torch.cat([wr for _, wr, _ in writes])  # (B, 1, 2 Hkv, D), rows in order
             self._write(layer, kv[:, :, :Hkv], kv[:, :, Hkv:], torch.tensor([w0 for _, _, w0 in writes]))
         elif writes and not (type(self.k) is type(self.v) and self.k.store_spans(
-                self.v, layer, [(b, wr[:, :, :Hkv], wr[:, :, Hkv:], w0) for b, wr, w0 in writes])):
+                self.v, layer, [(b, self._keys(layer, wr[:, :, :Hkv], w0), wr[:, :, Hkv:], w0) for b, wr, w0 in writes])):
             for b, write, w0 in writes:
                 self._write_row(b, layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
         return Recent(None, None, w.low, self.window, w.masked, w.lim, w.high, kv16=w.ring)
@@ -294,7 +297,12 @@ class KVCache:
         one.k, one.v = self.k.rows(b, b + 1), self.v.rows(b, b + 1)
         one._write(layer, k, v, pos)
 
+    def _keys(self, layer: int, k: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
+        """The keys as the K store takes them: less their bias where the cache treats them (key_bias)."""
+        return k if self.key_bias is None else self.key_bias.remove(layer, k, pos)
+
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
+        k = self._keys(layer, k, pos)
         if type(self.k) is type(self.v):
             self.k.store_pair(self.v, layer, k, v, pos)
         else:
@@ -333,6 +341,8 @@ class KVCache:
                 f"V ({self.v.name}): {self.v.nbytes() / MIB:7.2f} MiB")
         if self.window:
             line += f", window {self.window} (f16): {self.window_nbytes() / MIB:7.2f} MiB"
+        if self.key_bias is not None:
+            line += ", keys less their bias"
         return line
 
     @staticmethod

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 from kvcli.cache import layers
 from kvcli.cache.base import KVCache, resolve_type, window_for
+from kvcli.cache.key_bias import KEY_BIAS, KeyBias, treats
 from kvcli.cache.hidden import HiddenCache
 from kvcli.errors import KvcliError
 
@@ -22,17 +23,21 @@ class CacheSpec:
     where a type sets one: Store.default_hidden_window). Once the mode is kv or
     hidden it holds the window the cache keeps: 0 where every type is dense (f32, f16, bf16). type_k and type_v
     may differ by layer (kvcli/cache/layers.py: `q8_0=0-1+tq3`); one window then serves every layer whose
-    types are not both dense."""
+    types are not both dense. key_bias: auto, on or off, whether keys are stored less the model's K bias
+    (kvcli/cache/key_bias.py; auto: for kvcli's rotated types, on a model that has one)."""
 
     mode: str = "kv"
     type_k: str = "f16"
     type_v: str = "f16"
     type_h: str = "f16"
     window: int | None = None
+    key_bias: str = "auto"
 
     def __post_init__(self):
         if self.mode not in CACHE_MODES:
             raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {self.mode!r}")
+        if self.key_bias not in KEY_BIAS:
+            raise KvcliError(f"--key-bias takes auto, on or off, not {self.key_bias!r}")
         w = self.window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
             raise KvcliError(f"--cache-window takes a count of positions, 0 or more, not {w!r}")
@@ -72,7 +77,8 @@ class CacheSpec:
         """auto -> kv or hidden for this model and context."""
         if self.mode != "auto":
             return self
-        kv, hidden = (CacheSpec(m, self.type_k, self.type_v, self.type_h, self.window) for m in ("kv", "hidden"))
+        kv, hidden = (CacheSpec(m, self.type_k, self.type_v, self.type_h, self.window, self.key_bias)
+                      for m in ("kv", "hidden"))
         return hidden if cache_bytes(config, hidden, n_ctx) < cache_bytes(config, kv, n_ctx) else kv
 
 
@@ -106,15 +112,36 @@ def cache_bytes(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1) -> int:
 
 def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str = "cpu",
                *, attention, model=None):
-    """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`);
-    attention: how it attends (kvcli.attention.Attention, the -fa choice)."""
+    """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`; so does a K/V
+    cache that stores keys less their bias, spec.key_bias); attention: how it attends (kvcli.attention.Attention,
+    the -fa choice)."""
     c, s = config, spec.resolved(config, n_ctx)
     if s.mode == "hidden":
         return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, attention=attention, model=model,
                            window=s.window)
-    make = layers.LayeredKV if s.mixed else KVCache
-    return make(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
-                attention=attention, window=s.window)
+
+    def key_bias(layer_ids: list[int], type_k: str) -> KeyBias | None:
+        """The treatment of these layers' keys, of type type_k: None where the model has no K bias or the policy
+        leaves this type's keys as they come."""
+        if not getattr(c, "qkv_bias", False) or not treats(s.key_bias, resolve_type(type_k)):
+            return None
+        if model is None:
+            raise ValueError("a cache of keys less their bias needs the model (its K bias and RoPE table)")
+        return KeyBias.from_model(model, layer_ids)
+
+    if s.mixed:
+        return layers.LayeredKV(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v,
+                                device=device, attention=attention, window=s.window, key_bias=key_bias)
+    return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
+                   attention=attention, window=s.window, key_bias=key_bias(list(range(c.n_layers)), s.type_k))
+
+
+def treats_keys(config, spec: CacheSpec) -> list[int]:
+    """The layers whose keys a cache of this choice stores less their bias (make_cache's rule)."""
+    if spec.mode != "kv" or not getattr(config, "qkv_bias", False):
+        return []
+    return [i for i, t in enumerate(layers.per_layer(spec.type_k, config.n_layers))
+            if treats(spec.key_bias, resolve_type(t))]
 
 
 def has_rows(spec: CacheSpec) -> bool:

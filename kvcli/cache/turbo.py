@@ -126,8 +126,9 @@ class TurboStore(RotatedStore):
 
     bits: ClassVar[int]
     levels: ClassVar[tuple[float, ...]]  # the codebook L, ascending, in units of the block's scale
-    # newest positions kept in f16 (kvcli/cache/window.py), per type from KLD per size (benchmarks/README.md)
-    default_window: ClassVar[int] = 16
+    # newest positions kept in f16 (kvcli/cache/window.py), per type from KLD per size on SmolLM2 and Qwen2.5-Coder
+    # (benchmarks/README.md, Recent window): a fixed 2 N kv_dim f16 a layer, ~1 MiB whatever the context
+    default_window: ClassVar[int] = 64
     scale_grid: ClassVar[tuple[float, ...]] = SCALE_GRID
     signed: ClassVar[bool] = False  # the scale's sign follows each block's largest element (for asymmetric L)
     batched = ("data", "scale", "sink", "offset")
@@ -379,7 +380,7 @@ class TQ3Store(TurboStore):
     name = "tq3"
     bits, block_size, block_bytes = 3, 64, 26  # 24 bytes of codes and a bf16 scale per 64 elements: 3.25 bits
     levels, signed = uniform_levels(3, tread=True), True  # -4 .. 3
-    default_window = 64  # measured KLD per window size (benchmarks/README.md, Recent window)
+    default_window = 128  # measured KLD per window size (benchmarks/README.md, Recent window)
     default_hidden_window = 128  # the hidden-state cache's, measured likewise (benchmarks/README.md)
     scale_grid = tuple(round(0.64 + 0.06 * i, 2) for i in range(8))
 
@@ -389,5 +390,5 @@ class TQ2Store(TurboStore):
     bits, block_size, block_bytes = 2, 64, 18  # 16 bytes of codes and a bf16 scale per 64 elements: 2.25 bits
     levels = uniform_levels(2)  # +-0.5, +-1.5: at 2 bits the symmetric grid measured better
     offset_values = False  # keys only: values' offset measured worse at 2 bits
-    default_window = 64
+    default_window = 128
     scale_grid = tuple(round(0.25 + 0.09 * i, 2) for i in range(8))

@@ -24,6 +24,8 @@ def bench_command(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = 
                   cache_type_h: str = typer.Option("f16", "-cth", "--cache-type-h", help="Hidden-state types (comma list)."),
                   cache_window: Optional[str] = typer.Option(None, "-cw", "--cache-window",
                                                              help="Recent windows (comma list). " + WINDOW_HELP),
+                  key_bias: str = typer.Option("auto", "--key-bias", help="auto, on or off, for every row: keys "
+                                               "stored less the model's K bias (kvcli/cache/key_bias.py)."),
                   flash_attn: str = typer.Option("on", "-fa", "--flash-attn", help="on, off (comma list)."),
                   repetitions: int = typer.Option(3, "-r", "--repetitions"),
                   output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
@@ -80,7 +82,7 @@ def bench_command(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = 
         def make(ctx, mode, tk, tv, th, fa, window=None):
             return Llama(path, ctx_size=ctx, dtype=dtype, cache_type_k=tk, cache_type_v=tv, cache_mode=mode,
                          cache_type_h=th, flash_attn=fa, device=device, shape=shape, weights=weights,
-                         cache_window=window)
+                         cache_window=window, cache_key_bias=key_bias)
 
         combos = combinations(modes, ctks, ctvs, cths, fas)
         backend = "CUDA" if device == "cuda" else "CPU"

@@ -278,16 +278,29 @@ WINDOW_HELP = ("Newest positions per layer kept in f16 and quantized only when t
                "type's: 0 for llama.cpp's types; none for f32/f16/bf16, which need none).")
 # click's range check: a negative or non-integer count is a usage error (one line, exit code 2)
 WindowOpt = typer.Option(None, "-cw", "--cache-window", min=0, help=WINDOW_HELP)
+KeyBiasOpt = typer.Option("auto", "--key-bias", help="Store keys less the model's K bias and add q.R(p)b back on "
+                          "read (qwen2's attn_k.bias): auto (kvcli's rotated types), on (any quantized K type), off.")
+
+
+def warn_known_loss(llm) -> None:
+    """The one-line warning where this cache choice is known to lose more than 1% perplexity on the model's family
+    (kvcli/cache/known_loss.py)."""
+    from kvcli.cache.known_loss import loss_warning
+    from kvcli.cache.spec import treats_keys
+
+    line = loss_warning(llm.config, llm.cache_spec, bool(treats_keys(llm.config, llm.cache_spec)))
+    if line:
+        log(line)
 
 
 def cache_spec(cache_mode: str, type_k: Optional[str], type_v: Optional[str], type_h: Optional[str],
-               window: Optional[int] = None) -> "CacheSpec":
+               window: Optional[int] = None, key_bias: str = "auto") -> "CacheSpec":
     """The cache flags as one validated choice; unknown type names and ignored flags fail here,
     before any model is loaded. A window given for dense types only is noted and dropped."""
     from kvcli.cache import CacheSpec, validate_cache_flags
 
     validate_cache_flags(cache_mode, type_k is not None, type_v is not None, type_h is not None)
-    spec = CacheSpec(cache_mode, type_k or "f16", type_v or "f16", type_h or "f16", window)
+    spec = CacheSpec(cache_mode, type_k or "f16", type_v or "f16", type_h or "f16", window, key_bias)
     if window and spec.mode != "auto" and not spec.window:
         log(f"note: --cache-window {window} ignored: {spec.label} is not quantized, so it needs no f16 window")
     return spec

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt,
-                                   ThreadsOpt, WeightsOpt, WindowOpt, cache_spec, ctx_option, log, parse_device,
+                                   ThreadsOpt, WeightsOpt, WindowOpt, KeyBiasOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device,
                                    parse_dtype, parse_flash_attn, parse_threads, parse_weights, process_escapes,
                                    read_prompt, resolve_model, user_errors)
 from kvcli.errors import KvcliError
@@ -47,6 +47,7 @@ def run_command(
     cache_mode: str = CacheModeOpt,
     cache_type_h: Optional[str] = CthOpt,
     cache_window: Optional[int] = WindowOpt,
+    key_bias: str = KeyBiasOpt,
     flash_attn: str = FlashOpt,
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
@@ -57,7 +58,7 @@ def run_command(
     no prompt on a model that has a chat template, or with -cnv (then -p/-f is the system prompt).
     In the chat, Ctrl-C stops a reply, and Ctrl-C at the prompt or Ctrl-D ends it."""
     with user_errors():
-        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window)  # fail before loading
+        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias)  # fail before loading
         threads = parse_threads(threads)
         fa = parse_flash_attn(flash_attn)
         device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
@@ -89,10 +90,11 @@ def run_command(
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
                     batch_size=batch_size, threads=threads, flash_attn=fa, log=log,
                     cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
-                    cache_window=spec.window)
+                    cache_window=spec.window, cache_key_bias=spec.key_bias)
         c = llm.config
         log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
             f"{llm.n_ctx} ctx, {dtype} compute, {weights} weights {llm.model.weight_bytes() / MIB:.1f} MiB, loaded in {llm.load_seconds:.2f} s)")
+        warn_known_loss(llm)
         if llm.n_ctx > c.context_length:
             log(f"warning: model was trained on only {c.context_length} context tokens ({llm.n_ctx} specified)")
         chat = conversation if conversation is not None else (not text and bool(llm.tokenizer.chat_template))

@@ -9,7 +9,7 @@ from typing import Optional
 import typer
 
 from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt,
-                                   WeightsOpt, WindowOpt, cache_spec, ctx_option, log, parse_device, parse_dtype,
+                                   WeightsOpt, WindowOpt, KeyBiasOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device, parse_dtype,
                                    parse_flash_attn, parse_threads, parse_weights, resolve_model, user_errors)
 from kvcli.errors import KvcliError
 
@@ -36,6 +36,7 @@ def serve_command(
     cache_mode: str = CacheModeOpt,
     cache_type_h: Optional[str] = CthOpt,
     cache_window: Optional[int] = WindowOpt,
+    key_bias: str = KeyBiasOpt,
     flash_attn: str = FlashOpt,
     threads: Optional[int] = ThreadsOpt,
     dtype: str = DtypeOpt,
@@ -46,7 +47,7 @@ def serve_command(
     /tokenize, /detokenize, /metrics, /props and a chat page at /. The -np slots decode together, one batched
     step at a time; SIGINT/SIGTERM stop it."""
     with user_errors():
-        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window)  # fail before loading
+        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias)  # fail before loading
         fa = parse_flash_attn(flash_attn)
         device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
         if ctx_size < 0:
@@ -79,11 +80,12 @@ def serve_command(
             llm = Llama(path, ctx_size=total // parallel, dtype=dtype, cache_type_k=spec.type_k,
                         cache_type_v=spec.type_v, batch_size=batch_size, threads=threads, flash_attn=fa,
                         cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
-                        cache_window=spec.window)
+                        cache_window=spec.window, cache_key_bias=spec.key_bias)
             c = llm.config
             server.n_ctx, server.spec = (total // parallel) * parallel, llm.cache_spec
             log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, {dtype} compute, {weights} weights, loaded in "
                 f"{llm.load_seconds:.2f} s)")
+            warn_known_loss(llm)
             return Engine(llm, parallel, queue)
 
         server = Server(path.name, ctx_size, parallel, spec, api_key)

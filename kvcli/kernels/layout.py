@@ -6,10 +6,12 @@ kvcli.kernels take tensors or arrays plus these records and import nothing from 
 is decoded; the offsets say where a 32-element block keeps its fields.
 
 Every CPU decode attention kernel (kvcli/kernels/cpu/attention*.py) has one signature:
-    attend(q, k: Operands, v: Operands, lim, window: DecodeWindow | None) -> out
+    attend(q, k: Operands, v: Operands, lim, window: DecodeWindow | None, extra=None) -> out
 q (B, Hkv, G, D) f32, the query heads of each KV head in the model's space (unscaled: the kernel scales the
-scores by 1 / sqrt(D)); lim (B,) int64 numpy: row b reads store positions 0..lim[b]-1; out (B, Hkv, G, D) f32
-torch, in the model's space: attend_reference's result (kvcli/attention.py) for one query token per sequence.
+scores by 1 / sqrt(D)); lim (B,) int64 numpy: row b reads store positions 0..lim[b]-1; extra: None, or (B, Hkv, G,
+P >= max lim) f32 numpy added to the (scaled) score of each store position t < lim[b] (keys stored less their bias:
+kvcli/cache/key_bias.py); out (B, Hkv, G, D) f32 torch, in the model's space: attend_reference's result
+(kvcli/attention.py) for one query token per sequence.
 """
 
 from __future__ import annotations

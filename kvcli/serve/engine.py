@@ -124,7 +124,8 @@ def slot_caches(llm, n_slots: int) -> list:
     spec = llm.cache_spec
     if n_slots > 1 and has_rows(spec):
         llm.cache = None  # freed before the slots' cache is made: never both at once
-        base = make_cache(llm.config, spec, llm.n_ctx, n_slots, device=llm.device, attention=llm.attention)
+        base = make_cache(llm.config, spec, llm.n_ctx, n_slots, device=llm.device, attention=llm.attention,
+                          model=llm.model)
         caches = [base.rows(i, i + 1) for i in range(n_slots)]
         llm.cache = caches[0]
         return caches

@@ -51,11 +51,12 @@ def _inlined(f):
 
 
 @_inlined
-def _scores(q, scale, kc, c, s, mx, total, acc, vpf, vat):
+def _scores(q, scale, kc, c, s, mx, total, acc, vpf, vat, ex, x0):
     """The online softmax's step over c keys kc (c, D) (f32, or a dense store's rows as they lie): s[g, :c] = the
-    weights e^(score - max) of q (G, D) . kc * scale, the running maximum mx (G,) and sum total (G,) brought up to
-    them, acc (G, D) rescaled to the new maximum. vpf (n, VW): the rows whose values come next, asked for from row vat
-    on, a row with each key row (a new stream: the CPU's own prefetcher would meet it cold)."""
+    weights e^(score - max) of q (G, D) . kc * scale (+ ex[g, x0 + t] where x0 >= 0: the store's positions x0..
+    of keys stored less their bias), the running maximum mx (G,) and sum total (G,) brought up to them, acc (G, D)
+    rescaled to the new maximum. vpf (n, VW): the rows whose values come next, asked for from row vat on, a row with
+    each key row (a new stream: the CPU's own prefetcher would meet it cold)."""
     G, D = acc.shape
     g0 = 0
     while g0 < G:  # the products: a row widened once for up to 4 query heads (vectors.dense_key_scores)
@@ -70,6 +71,10 @@ def _scores(q, scale, kc, c, s, mx, total, acc, vpf, vat):
         else:
             dense_key_scores1(kc, c, q, g0, s, scale, vpf, vat, npf)
         g0 += min(r, 4)
+    if x0 >= 0 and ex.shape[1] > 0:
+        for g in range(G):
+            for t in range(c):
+                s[g, t] += ex[g, x0 + t]
     for g in range(G):  # FlashAttention's recurrence: rescale what came before to the new maximum
         m = mx[g]
         for t in range(c):
@@ -108,7 +113,7 @@ def _sums(s, vc, c, acc, kpf, kat):
 
 
 @jit_reassociating
-def _run(lo, hi, units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, pacc, pmax):
+def _run(lo, hi, units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, pacc, pmax):
     """Units lo..hi-1 of `units` (_plan's), one after the other, each into its partial: pacc[u] (G, D) the values
     weighted by e^(score - max), pmax[u] (2, G) the maximum score and the sum of the weights. Unit (b, h, p0, p1) reads
     store positions p0..p1-1 of head h of sequence b, and where p0 = 0 the window's unmasked slots first (the
@@ -123,7 +128,7 @@ def _run(lo, hi, units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmas
     wk, wv = slots[:N], slots[N:]  # the window's read slots
     for u in range(lo, hi):
         b, h, p0, p1 = units[u, 0], units[u, 1], units[u, 2], units[u, 3]
-        q, kb, vb = qm[b, h], kdat[b, h], vdat[b, h]
+        q, kb, vb, ex = qm[b, h], kdat[b, h], vdat[b, h], extra[b, h]
         # the next unit's keys, asked for while this one's values are summed (position p0 + i here, p0' + i there)
         kn, kat = kb, p0
         if u + 1 < hi:
@@ -141,11 +146,11 @@ def _run(lo, hi, units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmas
                         wv[c, e] = to_f32(wkv[b, H + h, w, e])
                     c += 1
             if c > 0:  # the store's first values and keys asked for meanwhile
-                _scores(q, scale, wk, c, s, mx, total, acc, vb, p0)
+                _scores(q, scale, wk, c, s, mx, total, acc, vb, p0, ex, -1)
                 _sums(s, wv, c, acc, kb, p0)
         for c0 in range(p0, p1, CHUNK):
             c = min(CHUNK, p1 - c0)
-            _scores(q, scale, chunk(kb, c0, c, kbuf, kfmt, ktab), c, s, mx, total, acc, vb, c0)
+            _scores(q, scale, chunk(kb, c0, c, kbuf, kfmt, ktab), c, s, mx, total, acc, vb, c0, ex, c0)
             _sums(s, chunk(vb, c0, c, vbuf, vfmt, vtab), c, acc, kn, kat + c0 - p0)
 
 
@@ -227,31 +232,33 @@ def _merge(first, pacc, pmax, out):
 
 
 @jit_reassociating
-def _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, lim, out):
+def _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, lim, out):
     """qm (B, H, G, D) f32, the query, scores scaled by `scale`; kdat, vdat (B, H, n_ctx, W): a position's head vector
     as its store keeps it (chunk's types); kfmt, ktab, vfmt, vtab: their block layouts (_layout); wkv (B, 2 H, N, D)
     uint16: the window's f16 rows (K's heads, then V's), wmask (B, N) bool: True where row b reads no slot; lim (B,)
-    int64: store positions 0..lim[b]-1 are read -> out (B, H, G, D) f32. On the calling thread."""
+    int64: store positions 0..lim[b]-1 are read; extra (B, H, G, P): added to the store's scores (P = 0: nothing)
+    -> out (B, H, G, D) f32. On the calling thread."""
     B, H, G, D = qm.shape
     units, first, runs, work = _plan(lim, H, wkv.shape[2], 1)
     pacc, pmax = np.empty((units.shape[0], G, D), np.float32), np.empty((units.shape[0], 2, G), np.float32)
     # all units: 0..U-1, as int64 read from an array (a literal 0 would compile a _run of its own, not the threads')
-    _run(first[0], first[-1], units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, pacc, pmax)
+    _run(first[0], first[-1], units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, pacc, pmax)
     _merge(first, pacc, pmax, out)
 
 
 @jit_threaded
-def _attend_threaded(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, lim, out, threads, min_work):
+def _attend_threaded(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, lim, out, threads, min_work):
     """_attend with the units in `threads` runs at once (numba's OpenMP threads), where the call reads at least
     min_work positions x heads (else on the calling thread: the same bits). The same compiled _run for every run."""
     B, H, G, D = qm.shape
     units, first, runs, work = _plan(lim, H, wkv.shape[2], threads)
     pacc, pmax = np.empty((units.shape[0], G, D), np.float32), np.empty((units.shape[0], 2, G), np.float32)
     if work < min_work or threads < 2:
-        _run(first[0], first[-1], units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, pacc, pmax)
+        _run(first[0], first[-1], units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, pacc, pmax)
     else:
         for i in numba.prange(threads):  # the body one call: its scratch allocated there, a thread's own
-            _run(runs[i], runs[i + 1], units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, pacc, pmax)
+            _run(runs[i], runs[i + 1], units, qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, pacc,
+                 pmax)
     _merge(first, pacc, pmax, out)
 
 
@@ -323,6 +330,11 @@ if numba is not None:
 _NO_BLOCKS = np.zeros(5, np.int64), np.zeros(16, np.int8)  # a dense store's layout arguments (unread)
 _LAYOUTS: dict = {}  # _layout's, per KernelLayout
 _NO_WINDOW = np.zeros((1, 1, 0, 1), np.uint16), np.zeros((1, 0), np.bool_)  # a window of no slots (N = 0: unread)
+
+
+def no_extra(q: torch.Tensor) -> np.ndarray:
+    """extra's stand-in where the scores take nothing: (B, Hkv, G, 0) f32 (one compiled kernel for both)."""
+    return np.zeros((*q.shape[:3], 0), np.float32)
 _threads = threading.local()  # the numba thread count set for the calling thread (numba keeps one per thread)
 
 
@@ -364,13 +376,14 @@ def _numba_threads(threads: int) -> int:
     return threads
 
 
-def attend(q: torch.Tensor, k, v, lim: np.ndarray, window) -> torch.Tensor:
+def attend(q: torch.Tensor, k, v, lim: np.ndarray, window, extra: np.ndarray | None = None) -> torch.Tensor:
     """kvcli/kernels/layout.py's decode signature: q (B, Hkv, G, D) f32, k and v Operands of dense or ggml block
-    stores, lim (B,) int64, window a DecodeWindow or None -> (B, Hkv, G, D) f32. In torch's thread count (-t N),
-    numba's OpenMP threads where it has them."""
+    stores, lim (B,) int64, window a DecodeWindow or None, extra None or (B, Hkv, G, P) f32 -> (B, Hkv, G, D) f32.
+    In torch's thread count (-t N), numba's OpenMP threads where it has them."""
     out = np.empty(q.shape, np.float32)
     args = (q.contiguous().numpy(), np.float32(1 / math.sqrt(q.shape[-1])), _rows(k), _rows(v), *_layout(k.layout),
-            *_layout(v.layout), *_window(window), lim, out)
+            *_layout(v.layout), *_window(window), no_extra(q) if extra is None else np.ascontiguousarray(extra),
+            lim, out)
     threads = torch.get_num_threads()
     if threads > 1 and THREADED:
         _attend_threaded(*args, _numba_threads(threads), PARALLEL_MIN)
@@ -388,8 +401,8 @@ def warm_up(k_layout, v_layout) -> None:
     D = 32  # a head size every type takes: a row's bytes as its store keeps them
     k, v = (_rows_like(lay, D) for lay in (k_layout, v_layout))
     z = np.zeros((2, 1, 1, D), np.float32)
-    args = (z, np.float32(1), k, v, *_layout(k_layout), *_layout(v_layout), *_window(None), np.ones(2, np.int64),
-            np.empty_like(z))
+    args = (z, np.float32(1), k, v, *_layout(k_layout), *_layout(v_layout), *_window(None), no_extra(z),
+            np.ones(2, np.int64), np.empty_like(z))
     _attend(*args)
     if THREADED:  # with -t N > 1, its threads started too; at -t 1 loaded on one thread (no pool: its idle
         threads = torch.get_num_threads()  # threads would spin beside torch's)

@@ -29,6 +29,7 @@ import math
 import numpy as np
 import torch
 
+from .attention import no_extra
 from .compile import VEC, available, jit, jit_reassociating, numba
 from .vectors import (butterfly16, exp_f32, hadamard16, nibble_key_scores1, nibble_key_scores2, nibble_key_scores3,
                       nibble_key_scores4, nibble_value_sums1, nibble_value_sums2, nibble_value_sums3, nibble_value_sums4,
@@ -55,13 +56,14 @@ def _walsh_hadamard(x):
 
 
 @jit_reassociating
-def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask, lim, out):
+def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask, extra, lim, out):
     """qm (B, H, G, D) f32: the query in the model's space, its scores scaled by `scale`; sgn (D,) f32: the first
     row of the rotation R = H diag(s) / sqrt(D) (hadamard.rotation), s / sqrt(D), so that R x = H (sgn x) and
     R^T y = sgn (H y); kdat (B, H, n_pad / T, D, T / 2) uint8 key tiles, vdat (B, H, D / W, n_pad, W / 2) value
     tiles, ksc/vsc (B, H, D / 32, n_pad) int16 (bf16 bits); ksink/vsink (B, H, S, D) rotated sinks, f16 bits
     (uint16); koff/voff (B, H, D) f32 offsets; wkv (B, 2 H, N, D) f16 bits, the window's slots (K's heads, then
-    V's), wmask (B, N) bool (True: not read); lim (B,) int64: store positions 0..lim[b]-1 are read.
+    V's), wmask (B, N) bool (True: not read); extra (B, H, G, P) f32: added to the store's scores (P = 0: nothing,
+    else P >= max lim: keys stored less their bias); lim (B,) int64: store positions 0..lim[b]-1 are read.
     -> out (B, H, G, D) f32 in the model's space. The rotations are done here, row by row (fast Walsh-Hadamard
     transforms, D log D additions where a product with R took D^2 multiply-adds), so that a row's bits do not depend
     on how many others share the call (a batched matmul's blocking does)."""
@@ -148,6 +150,10 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
                     for e in range(D):
                         a += qb[g, e] * sink[t, e]
                     s[g, N + t] = a
+            if extra.shape[3] > 0:  # q . R(p) b of keys stored less their bias
+                for g in range(G):
+                    for t in range(n):
+                        s[g, N + t] += extra[b, h, g, t]
             # ---- softmax (unnormalised; divided at the end) ----
             for g in range(G):
                 mx = np.float32(-np.inf)
@@ -211,7 +217,7 @@ def _attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv,
                     out[b, h, g, e] = (accw[g, e] + acc[g, e] * sgn[e]) * inv
 
 
-def attend(q: torch.Tensor, k, v, lim: np.ndarray, window) -> torch.Tensor:
+def attend(q: torch.Tensor, k, v, lim: np.ndarray, window, extra: np.ndarray | None = None) -> torch.Tensor:
     """kvcli/kernels/layout.py's decode signature: q (B, Hkv, G, D) f32 in the model's space, k and v Operands of a
     q4_hadamard K and V store layer (codes, bf16 scales, f16 sinks, f32 offsets; R's first row), lim (B,) int64,
     window a DecodeWindow or None -> (B, Hkv, G, D) f32 in the model's space."""
@@ -221,7 +227,7 @@ def attend(q: torch.Tensor, k, v, lim: np.ndarray, window) -> torch.Tensor:
     kd, ks, ksink, ko = k.arrays
     vd, vs, vsink, vo = v.arrays
     _attend(q.contiguous().numpy(), np.float32(1 / math.sqrt(D)), k.signs, kd, ks, ksink, ko, vd, vs, vsink, vo, kv,
-            masked, lim, out)
+            masked, no_extra(q) if extra is None else np.ascontiguousarray(extra), lim, out)
     return torch.from_numpy(out)
 
 
@@ -235,4 +241,4 @@ def warm_up(k_layout=None, v_layout=None) -> None:
     sinks, scales = np.zeros((1, 1, 1, 32), np.uint16), np.zeros((1, 1, 1, 32), np.int16)
     _attend(z4, f32(1), np.ones(32, f32), z5, scales, sinks, np.zeros((1, 1, 32), f32), z5.copy(), scales, sinks,
             np.zeros((1, 1, 32), f32), np.zeros((1, 2, 1, 32), np.uint16), np.zeros((1, 1), np.bool_),
-            np.ones(1, np.int64), np.empty_like(z4))
+            np.zeros((1, 1, 1, 0), f32), np.ones(1, np.int64), np.empty_like(z4))

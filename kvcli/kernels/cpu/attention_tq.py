@@ -177,10 +177,10 @@ def _weighted_sum(layout, p: torch.Tensor, R: int, tensors, rows: slice) -> torc
     return out
 
 
-def _run(qm: torch.Tensor, R: int, k, v, rows: slice, n: int, kv, masked) -> torch.Tensor:
+def _run(qm: torch.Tensor, R: int, k, v, rows: slice, n: int, kv, masked, extra=None) -> torch.Tensor:
     """Sequences `rows` (R of them), each reading store positions 0..n-1: qm (R H, G, D) f32, scaled, in the model's
-    space; k, v the operands; kv (R, 2 H, N, D) f16 and masked (R, 1, 1, N) bool their window, or None ->
-    (R H, G, D) f32 in the model's space."""
+    space; k, v the operands; kv (R, 2 H, N, D) f16 and masked (R, 1, 1, N) bool their window, or None; extra
+    (R H, G, >= n) f32 added to the store's scores, or None -> (R H, G, D) f32 in the model's space."""
     RH, G, D = qm.shape
     H = RH // R
     parts = []
@@ -193,7 +193,8 @@ def _run(qm: torch.Tensor, R: int, k, v, rows: slice, n: int, kv, masked) -> tor
         parts.append(ws.view(RH, G, N))
     if n:
         qr = _rowwise(torch.mm, R, (RH * G, D), qm.view(RH * G, D), last=k.rotation.mT)  # into K's space: x R^T
-        parts.append(_scores(k.layout, qr.view(RH, G, D), R, k.tensors, rows, n))
+        s = _scores(k.layout, qr.view(RH, G, D), R, k.tensors, rows, n)
+        parts.append(s if extra is None else s.add_(extra[..., :n]))
     p = torch.softmax(parts[0] if len(parts) == 1 else torch.cat(parts, -1), -1)
     if not n:
         return _rowwise(torch.bmm, R, (RH, G, D), p, vw)
@@ -204,25 +205,27 @@ def _run(qm: torch.Tensor, R: int, k, v, rows: slice, n: int, kv, masked) -> tor
     return _rowwise(torch.addmm, R, (RH * G, D), pv, o, last=v.rotation).view(RH, G, D)
 
 
-def attend(q: torch.Tensor, k, v, lim: np.ndarray, window) -> torch.Tensor:
+def attend(q: torch.Tensor, k, v, lim: np.ndarray, window, extra: np.ndarray | None = None) -> torch.Tensor:
     """kvcli/kernels/layout.py's decode signature: q (B, Hkv, G, D) f32 in the model's space, k and v Operands of a
     tq K and V store layer (packed codes, bf16 scales, f16 sinks, f32 offsets; the rotation R), lim (B,) int64,
-    window a DecodeWindow or None -> (B, Hkv, G, D) f32 in the model's space. Consecutive sequences of the same
-    depth are read together, each reading its own positions only."""
+    window a DecodeWindow or None, extra None or (B, Hkv, G, P) f32 added to the store's scores -> (B, Hkv, G, D) f32
+    in the model's space. Consecutive sequences of the same depth are read together, each reading its own positions
+    only."""
     B, H, G, D = q.shape
     qm = (q * (1.0 / math.sqrt(D))).view(B * H, G, D)
     kv = masked = None
     if window is not None:
         kv = torch.from_numpy(window.kv).view(torch.float16)  # (B, 2 H, N, D)
         masked = torch.from_numpy(window.masked).view(B, 1, 1, -1)
+    ex = None if extra is None else torch.from_numpy(extra).view(B * H, G, -1)
     if B == 1 or (lim == lim[0]).all():
-        return _run(qm, B, k, v, slice(0, B), int(lim[0]), kv, masked).view(B, H, G, D)
+        return _run(qm, B, k, v, slice(0, B), int(lim[0]), kv, masked, ex).view(B, H, G, D)
     outs, b0 = [], 0
     for b in range(1, B + 1):
         if b == B or lim[b] != lim[b0]:
             rows = slice(b0, b)
             outs.append(_run(qm[b0 * H : b * H], b - b0, k, v, rows, int(lim[b0]), None if kv is None else kv[rows],
-                             None if kv is None else masked[rows]))
+                             None if kv is None else masked[rows], None if ex is None else ex[b0 * H : b * H]))
             b0 = b
     return torch.cat(outs).view(B, H, G, D)
 

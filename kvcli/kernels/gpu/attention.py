@@ -152,9 +152,10 @@ def _load_tile(ptr, ptr16, rows, nmask, e, offs_n, tab_ptr, sink_ptr, s_sink_n, 
 
 
 @triton.jit
-def _fold(q, k, v, visible, m_i, l_i, acc):
-    """One tile of keys k and values v (BLOCK_N, DP) into the online softmax (m_i, l_i, acc) of the rows q."""
-    s = tl.dot(q, tl.trans(k), input_precision="ieee")  # (BLOCK_M, BLOCK_N)
+def _fold(q, k, v, visible, m_i, l_i, acc, extra):
+    """One tile of keys k and values v (BLOCK_N, DP) into the online softmax (m_i, l_i, acc) of the rows q; extra
+    (BLOCK_M, BLOCK_N) or 0: added to the scores."""
+    s = tl.dot(q, tl.trans(k), input_precision="ieee") + extra  # (BLOCK_M, BLOCK_N)
     s = tl.where(visible, s, float("-inf"))
     m_new = tl.maximum(m_i, tl.max(s, 1))
     alpha = tl.exp2(m_i - m_new)
@@ -171,17 +172,19 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
                  v_ptr, v16_ptr, sv_b, sv_h, sv_n, vs_ptr, svs_b, svs_h, svs_n, vo_ptr, svo_b, svo_h,
                  svd_b, svd_h, v_npad,
                  ktab_ptr, vtab_ptr, o_ptr, ml_ptr, Hkv, M, G, pos, n_keys, split_len, S,
-                 kw_ptr, vw_ptr, sw_b, sw_h, sw_n, w_start, w_size,
+                 kw_ptr, vw_ptr, sw_b, sw_h, sw_n, w_start, w_size, qb_ptr, tb_ptr,
                  KK: tl.constexpr, KBB: tl.constexpr, KDO: tl.constexpr, KMO: tl.constexpr, KQH: tl.constexpr,
                  KQS: tl.constexpr, KT: tl.constexpr, KNS: tl.constexpr, KBITS: tl.constexpr, KBS: tl.constexpr,
                  VK: tl.constexpr, VBB: tl.constexpr, VDO: tl.constexpr, VMO: tl.constexpr, VQH: tl.constexpr,
                  VQS: tl.constexpr, VT: tl.constexpr, VNS: tl.constexpr, VBITS: tl.constexpr, VBS: tl.constexpr,
-                 WINDOW: tl.constexpr, D: tl.constexpr, DP: tl.constexpr, BLOCK_M: tl.constexpr,
-                 BLOCK_N: tl.constexpr):
+                 WINDOW: tl.constexpr, KEY_BIAS: tl.constexpr, D: tl.constexpr, DP: tl.constexpr,
+                 BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     """K's (KK, KBB, ...) and V's (VK, ...) layout constants: _load_tile's KIND, BB, DO, MO, QH, QS, TILE, NSINK,
     BITS, BS. WINDOW: K and V of positions w_start.. in f32 (kw, vw: (B, Hkv, n, D), strides sw_*, already in
     the stores' spaces); the row at position i reads the store below lim_i = max(i - w_size + 1, w_start) and
-    the window from lim_i to i (the recent window, kvcli/cache/window.py); without one lim_i = i + 1."""
+    the window from lim_i to i (the recent window, kvcli/cache/window.py); without one lim_i = i + 1.
+    KEY_BIAS: keys stored less their bias (kvcli/cache/key_bias.py): each store score gets qb_r . tb[p], qb (B, Hkv,
+    M, D) laid out and scaled as q, tb (n_ctx, D) f32 the RoPE table's rows (cos, sin of each pair in turn)."""
     pid_bh = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_s = tl.program_id(2)
@@ -193,6 +196,9 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
     q_pos = pos + r // G  # (BLOCK_M,)
     q = tl.load(q_ptr + b * sq_b + h * sq_h + r[:, None] * sq_r + e[None, :],
                 mask=rmask[:, None] & (e < D)[None, :], other=0.0)  # pre-scaled by log2(e) / sqrt(D)
+    if KEY_BIAS:  # laid out and scaled as q
+        qb = tl.load(qb_ptr + b * sq_b + h * sq_h + r[:, None] * sq_r + e[None, :],
+                     mask=rmask[:, None] & (e < D)[None, :], other=0.0)
     start = pid_s * split_len
     last_pos = pos + (tl.minimum(pid_m * BLOCK_M + BLOCK_M, M) - 1) // G  # causal: no key past it
     if WINDOW:  # the store below each row's lim (non-decreasing in the row: the last row's bounds the block)
@@ -217,7 +223,12 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
                        offs_n, vtab_ptr, vs_ptr + b * svs_b + h * svs_h, svs_n, vo_ptr + b * svo_b + h * svo_h,
                        v_npad, VK, D, VBB, VDO, VMO, VQH, VQS, VT, VNS, VBITS, VBS)
         visible = nmask[None, :] & (offs_n[None, :] < lim[:, None])
-        m_i, l_i, acc = _fold(q, k, v, visible, m_i, l_i, acc)
+        if KEY_BIAS:
+            tb = tl.load(tb_ptr + offs_n.to(tl.int64)[:, None] * D + e[None, :],
+                         mask=nmask[:, None] & (e < D)[None, :], other=0.0)  # (BLOCK_N, DP)
+            m_i, l_i, acc = _fold(q, k, v, visible, m_i, l_i, acc, tl.dot(qb, tl.trans(tb), input_precision="ieee"))
+        else:
+            m_i, l_i, acc = _fold(q, k, v, visible, m_i, l_i, acc, 0.0)
     if WINDOW:  # the last split also reads the window: positions lim of the first row .. last_pos, dense f32
         w_lo = tl.maximum(pos + (pid_m * BLOCK_M) // G - w_size + 1, w_start)
         w_end = tl.where(pid_s == S - 1, last_pos + 1, w_lo)  # other splits: an empty range
@@ -231,7 +242,7 @@ def _attn_kernel(q_ptr, sq_b, sq_h, sq_r,
             v = _load_tile(vw_ptr, vw_ptr, at, nmask, e, offs_n, vtab_ptr, vw_ptr, 0, vw_ptr, 0,
                            0, D, 0, 0, 0, 0, 0, 0, 0, 4, 32)
             visible = nmask[None, :] & (offs_n[None, :] >= lim[:, None]) & (offs_n[None, :] <= q_pos[:, None])
-            m_i, l_i, acc = _fold(q, k, v, visible, m_i, l_i, acc)
+            m_i, l_i, acc = _fold(q, k, v, visible, m_i, l_i, acc, 0.0)
     out = acc / tl.where(l_i > 0.0, l_i, 1.0)[:, None]
     # o: (B, Hkv, S, M, DP) contiguous; ml: (B, Hkv, S, M, 2) = (max, sum) of each split
     row = (pid_bh * S + pid_s).to(tl.int64) * M + r
@@ -288,12 +299,15 @@ class Window(NamedTuple):
 
 
 def attend_kernel(q: torch.Tensor, k: StoreTensors, v: StoreTensors, pos: int, num_splits: int | None = None,
-                  block_n: int | None = None, window: Window | None = None) -> torch.Tensor:
+                  block_n: int | None = None, window: Window | None = None,
+                  key_bias: tuple[torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """q (B, T, H, D) f32 at positions pos..pos+T-1, in K's storage space -> (B, T, H, D) f32 in V's.
 
     Runs wherever triton runs (CUDA, or CPU tensors under TRITON_INTERPRET=1). T = 1 is
     flash-decoding with `num_splits` splits (default: enough programs to fill the GPU) over the
-    store's positions; the window, if any, is read by the last split.
+    store's positions; the window, if any, is read by the last split. key_bias: keys stored less their bias
+    (kvcli/cache/key_bias.py), (uw (B, Hkv, T*G, D) f32 in the model's space, rows r = t * G + g, unscaled;
+    table (n_ctx, D) f32): uw_r . table[p] added to each store score.
     """
     B, T, H, D = q.shape
     Hkv = k.data.shape[1]
@@ -303,6 +317,9 @@ def attend_kernel(q: torch.Tensor, k: StoreTensors, v: StoreTensors, pos: int, n
     # rows r = t * G + g of each KV head: (B, Hkv, T*G, D); scale folded with log2(e) for exp2
     qg = q.float().reshape(B, T, Hkv, G, D).permute(0, 2, 1, 3, 4).reshape(B, Hkv, M, D)
     qg = (qg * (LOG2E / math.sqrt(D))).contiguous()
+    qb, tb = (qg, qg) if key_bias is None else ((key_bias[0] * (LOG2E / math.sqrt(D))).contiguous(),
+                                                key_bias[1].contiguous())
+    assert qb.stride() == qg.stride()
     # positions read from the store: below the last row's limit (all of them up to it without a window)
     n_keys = pos + T if window is None else max(pos + T - window.size, window.start)
     if window is None:
@@ -331,8 +348,9 @@ def attend_kernel(q: torch.Tensor, k: StoreTensors, v: StoreTensors, pos: int, n
     grid = (B * Hkv, triton.cdiv(M, block_m), S)
     _attn_kernel[grid](qg, qg.stride(0), qg.stride(1), qg.stride(2), *_store_args(k), *_store_args(v),
                        table(k.layout.table, q.device), table(v.layout.table, q.device),
-                       o, ml, Hkv, M, G, pos, n_keys, split_len, S, wk, wv, *w_args,
+                       o, ml, Hkv, M, G, pos, n_keys, split_len, S, wk, wv, *w_args, qb, tb,
                        **_constexprs("K", k.layout), **_constexprs("V", v.layout), WINDOW=window is not None,
+                       KEY_BIAS=key_bias is not None,
                        D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
     if S == 1:
         out = o[:, :, 0]
