@@ -2,7 +2,10 @@
 
 Semantics follow llama-bench: for each combination, the cache is first filled to the depth
 (not timed), then `ppN` times one N-token prompt and `tgN` times N one-token decode steps;
-one warm-up run, then mean +/- std tokens/s over the repetitions.
+one warm-up run of the same test at the same depth (a tg one of at most 32 steps), so that no
+repetition pays a kernel's first load (numba's, at most once per process), then mean +/- std
+tokens/s over the repetitions. params_m counts the model's parameters (the GGUF's tensor elements,
+llama-bench's model_n_params), model_mib its weights' resident bytes.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ class BenchRow:
     cache_mib: float
     synthetic: bool = False
     window: int = 0  # the cache's recent window (kvcli/cache/window.py); its bytes are in cache_mib
+    model_mib: float = 0.0  # the weights' resident bytes (kvcli.model.Transformer.weight_bytes)
 
 
 def split_list(value: str) -> list[str]:
@@ -100,21 +104,32 @@ def run_bench(make_llm, model_name: str, tests: list[tuple[str, int]], depths: l
                 continue
             llm = make_llm(ctx, mode, *types, fa != "off", **({} if w is None else {"window": w}))
             done.add(llm.cache.window)
-            params = sum(t.numel() for t in llm.model.buffers()) / 1e6
+            params, weight_mib = n_params(llm) / 1e6, llm.model.weight_bytes() / MIB
             for depth in depths:
                 for test, n in tests:
                     if n <= 0:
                         continue
-                    _time_case(llm, test, min(n, 16), 0)  # warm-up
+                    _time_case(llm, test, n if test == "pp" else min(n, 32), depth)  # warm-up, as the test runs
                     speeds = [_time_case(llm, test, n, depth) for _ in range(reps)]
                     label = f"{test}{n}" + (f" @ d{depth}" if depth else "")
                     rows.append(BenchRow(model_name, params, backend, threads, mode, tk, tv, th, fa, label, depth,
                                          statistics.mean(speeds), statistics.pstdev(speeds),
-                                         llm.cache.nbytes() / MIB, synthetic, llm.cache.window))
+                                         llm.cache.nbytes() / MIB, synthetic, llm.cache.window, weight_mib))
                     if progress:
                         progress(rows[-1])
             del llm
     return rows
+
+
+def n_params(llm) -> int:
+    """The model's parameters: its GGUF tensors' elements (a --shape model's: the shapes it stands for)."""
+    import math
+
+    if llm.gguf is not None:
+        return sum(t.n_elements for t in llm.gguf.tensors.values())
+    from kvcli.gguf_file import expected_shapes
+
+    return sum(math.prod(s) for s in expected_shapes(llm.config).values())
 
 
 COLUMNS = ["model", "backend", "threads", "cache_mode", "type_k", "type_v", "type_h", "window", "fa", "test", "t/s",

@@ -134,6 +134,11 @@ def test_bench_rows_and_formats(tmp_path):
     rows = run_bench(make, "t.gguf", [("pp", 8), ("tg", 4)], [0, 16], combos, reps=2, threads=1, backend="CPU")
     assert [r.test for r in rows[:4]] == ["pp8", "tg4", "pp8 @ d16", "tg4 @ d16"]
     assert len(rows) == 8 and all(r.tokens_per_s > 0 for r in rows)
+    from kvcli.gguf_file import open_gguf
+
+    llm = make(32, "kv", "f16", "f16", "f16", True)
+    assert rows[0].params_m * 1e6 == sum(t.n_elements for t in open_gguf(path).tensors.values())  # llama-bench's
+    assert rows[0].model_mib == llm.model.weight_bytes() / 2**20 > 0
     md = to_markdown(rows)
     assert md.count("\n") == 1 + len(rows) and "| t.gguf |" in md
     assert json.loads(to_json(rows))[0]["type_k"] == "f16"
@@ -220,6 +225,7 @@ def test_bench_cli_synthetic_shape_and_errors():
     rows = json.loads(r.stdout)
     assert len(rows) == 3 * 2 * 2 and all(row["synthetic"] for row in rows)  # (2 kv + 1 hidden) x 2 depths x pp/tg
     assert {row["test"] for row in rows} == {"pp8", "tg2", "pp8 @ d8", "tg2 @ d8"}
+    assert 134 < rows[0]["params_m"] < 136  # SmolLM2-135M's shape: its parameters, not its norms
     for bad, word in [(["-o", "xml"], "md, json or csv"), (["-ctk", "q9"], "unknown cache type"),
                       (["--shape", "gpt5"], "unknown --shape"), (["-p", "x"], "integers")]:
         r = CliRunner().invoke(app, ["bench", "--shape", "smollm2-135m", *bad])
