@@ -30,8 +30,21 @@ _SMOL, _QWEN = "SmolLM2-135M-Instruct Q4_1", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M
 KNOWN: tuple[Loss, ...] = (
     Loss("llama", "q4_0", "q4_0", 0, False, 16.9, 0.141, _SMOL),
     Loss("llama", "q4_0", "q4_0", 16, False, 4.4, 0.032, _SMOL),
-    Loss("qwen2", "q8_0", "q8_0", 0, False, 3.9, 0.0162, _QWEN),
-    Loss("qwen2", "q4_0", "q4_0", 0, False, 212.0, 1.356, _QWEN),
+    Loss("llama", "q4_hadamard", "q4_hadamard", 16, False, 0.4, 0.0033, _SMOL),
+    Loss("llama", "tq4", "tq4", 64, False, 0.4, 0.0026, _SMOL),
+    Loss("llama", "tq3", "tq3", 128, False, 1.2, 0.0102, _SMOL),
+    Loss("llama", "tq3", "tq2", 128, False, 2.2, 0.0189, _SMOL),
+    Loss("llama", "tq2", "tq2", 128, False, 6.9, 0.0576, _SMOL),
+    Loss("qwen2", "q8_0", "q8_0", 0, False, 3.4, 0.0150, _QWEN),
+    Loss("qwen2", "q4_0", "q4_0", 0, False, 191.0, 1.253, _QWEN),
+    Loss("qwen2", "q8_0", "q8_0", 0, True, -0.05, 0.00020, _QWEN),
+    Loss("qwen2", "q4_0", "q4_0", 0, True, 6.2, 0.0566, _QWEN),
+    Loss("qwen2", "q4_hadamard", "q4_hadamard", 16, True, -0.6, 0.0061, _QWEN),
+    Loss("qwen2", "tq4", "tq4", 64, True, -0.5, 0.0052, _QWEN),
+    Loss("qwen2", "tq3", "tq3", 128, True, 0.6, 0.0198, _QWEN),
+    Loss("qwen2", "tq3", "tq2", 128, True, 0.3, 0.0289, _QWEN),
+    Loss("qwen2", "tq2", "tq2", 128, True, 4.2, 0.0943, _QWEN),
+    # keys as they come (--key-bias off), at the windows these types had before (10 chunks: issue 41)
     Loss("qwen2", "q4_hadamard", "q4_hadamard", 16, False, 12.4, 0.134, _QWEN),
     Loss("qwen2", "tq4", "tq4", 16, False, 8.2, 0.0946, _QWEN),
     Loss("qwen2", "tq3", "tq3", 64, False, 78.0, 0.654, _QWEN),
@@ -58,5 +71,6 @@ def loss_warning(config, spec, keys_less_bias: bool) -> str | None:
         return None
     fix = ("; --key-bias on stores keys less their bias" if config.qkv_bias and not keys_less_bias
            and spec.type_k not in ("f16", "f32", "bf16") else "")
-    return (f"warning: -ctk {spec.type_k} -ctv {spec.type_v} (window {spec.window}) measured +{row.ppl_pct:g}% "
+    return (f"warning: -ctk {spec.type_k} -ctv {spec.type_v} (window {spec.window}"
+            f"{', keys less their bias' if keys_less_bias else ''}) measured +{row.ppl_pct:g}% "
             f"perplexity (mean KLD {row.kld:g}) against f16 on {row.model}, a {row.family} model like this one{fix}")
