@@ -273,13 +273,17 @@ def test_attention_window(kind):
     """With a recent window of N, row i reads i-N+1..i from the f16 window and the rest from the store, as
     the reference: a prefill all in the window (an empty store), a prefill that leaves positions to the
     store, a batch in mid-sequence, then decode split in 3 with the window read by the last split."""
-    B, H, Hkv, D, N = 1, 6, 2, 64, 8
-    cache = KVCache(1, B, Hkv, 64, D, kind, kind, window=N, attention=Attention())
-    g = torch.Generator().manual_seed(7)
+    _prefills_then_decode(KVCache(1, 1, 2, 64, 64, kind, kind, window=8, attention=Attention()), kind, seed=7)
+
+
+def _prefills_then_decode(cache: KVCache, kind: str, seed: int) -> None:
+    """Prefills of 5, 20 and 7 positions, then two decode steps split in 3: the kernel equals the reference."""
+    B, Hkv, D = cache.batch, cache.k.n_heads, cache.k.head_dim
+    g = torch.Generator().manual_seed(seed)
     pos = 0
     for T, splits in [(5, None), (20, None), (7, None), (1, 3), (1, 3)]:
         recent = cache.store(0, torch.randn(B, T, Hkv, D, generator=g), torch.randn(B, T, Hkv, D, generator=g), pos)
-        q = torch.randn(B, T, H, D, generator=g)
+        q = torch.randn(B, T, 3 * Hkv, D, generator=g)
         out = attend_triton(q, cache, 0, pos, recent, num_splits=splits, block_n=8)
         _check(out, attend_reference(q, cache, 0, pos, recent=recent), f"{kind} T={T} pos={pos}")
         pos += T
@@ -312,13 +316,5 @@ def test_attention_keys_less_their_bias(kind, N):
     reference does, in prefills and in decode split in 3, with and without a recent window."""
     from test_kernel_table import key_bias
 
-    B, H, Hkv, D = 1, 6, 2, 64
-    cache = KVCache(1, B, Hkv, 64, D, kind, kind, window=N, attention=Attention(), key_bias=key_bias(64))
-    g = torch.Generator().manual_seed(9)
-    pos = 0
-    for T, splits in [(5, None), (20, None), (7, None), (1, 3), (1, 3)]:
-        recent = cache.store(0, torch.randn(B, T, Hkv, D, generator=g), torch.randn(B, T, Hkv, D, generator=g), pos)
-        q = torch.randn(B, T, H, D, generator=g)
-        out = attend_triton(q, cache, 0, pos, recent, num_splits=splits, block_n=8)
-        _check(out, attend_reference(q, cache, 0, pos, recent=recent), f"{kind} T={T} pos={pos}")
-        pos += T
+    cache = KVCache(1, 1, 2, 64, 64, kind, kind, window=N, attention=Attention(), key_bias=key_bias(64))
+    _prefills_then_decode(cache, kind, seed=9)

@@ -35,9 +35,6 @@ class Store:
     # llama.cpp's types, so they stay llama.cpp's; kvcli's own types set theirs from measurement
     # (benchmarks/README.md, "Recent window"). A cache takes the largest of its types' defaults.
     default_window: ClassVar[int] = 0
-    # The same for the hidden-state cache (kvcli/cache/hidden.py), where it differs: its x feeds both K and
-    # V, so at equal bits its loss costs more (benchmarks/README.md, tq). None: default_window.
-    default_hidden_window: ClassVar[int | None] = None
     dense: ClassVar[bool] = False  # a plain float tensor (f32, f16, bf16): a window adds nothing to it
     # The (L, B, ...) tensors a `rows` view slices along B; () where the type gives no such views.
     batched: ClassVar[tuple[str, ...]] = ()
@@ -182,17 +179,15 @@ def resolve_type(name: str) -> type[Store]:
     return STORAGE_TYPES[key]
 
 
-def window_for(types: tuple[str, ...], window: int | None, hidden: bool = False) -> int:
+def window_for(types: tuple[str, ...], window: int | None) -> int:
     """The window a cache of these storage types keeps: none where every type is dense (an f16 copy of
-    what it holds anyway), else `window`, or the largest default of the types where None (hidden: the
-    hidden-state cache's default, `default_hidden_window` where a type sets one)."""
+    what it holds anyway), else `window`, or the largest default of the types where None (the same for
+    the hidden-state cache: tq3's 128 was measured for both)."""
     classes = [resolve_type(t) for t in types]
     if all(c.dense for c in classes):
         return 0
     if window is not None:
         return window
-    if hidden:
-        return max(c.default_window if c.default_hidden_window is None else c.default_hidden_window for c in classes)
     return max(c.default_window for c in classes)
 
 

@@ -15,8 +15,7 @@ n_embd * Ds; 64 for SmolLM2's 576, 256 for a 4096-wide model).
 
 With a recent window (kvcli/cache/window.py) the newest N positions' x stay in f16 and reach the
 store only when they leave; attention rebuilds their K/V from the f16 copy. Its default N is the
-type's `default_hidden_window` where it sets one (x feeds K and V both: tq3 keeps 128 here, 64 in
-a K/V cache), else its `default_window`.
+type's `default_window` (measured for this cache too: benchmarks/README.md, Hidden-state cache).
 
 How a run picks and builds a cache (kv, hidden or auto) is kvcli/cache/spec.py.
 """

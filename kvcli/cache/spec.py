@@ -19,8 +19,7 @@ CACHE_MODES = ("kv", "hidden", "auto")
 class CacheSpec:
     """A cache choice: mode kv (K and V of type_k / type_v), hidden (each layer's normed input
     as type_h) or auto (hidden only where it is smaller than K+V at these types). window: the newest
-    positions kept in f16 (kvcli/cache/window.py); None: the types' default (the hidden-state cache's own
-    where a type sets one: Store.default_hidden_window). Once the mode is kv or
+    positions kept in f16 (kvcli/cache/window.py); None: the types' default. Once the mode is kv or
     hidden it holds the window the cache keeps: 0 where every type is dense (f32, f16, bf16). type_k and type_v
     may differ by layer (kvcli/cache/layers.py: `q8_0=0-1+tq3`); one window then serves every layer whose
     types are not both dense. key_bias: auto, on or off, whether keys are stored less the model's K bias
@@ -49,7 +48,7 @@ class CacheSpec:
         object.__setattr__(self, "type_h", resolve_type(self.type_h).name)
         if self.mode != "auto":  # canonical window too: a choice equals the same choice spelled out
             types = (self.type_h,) if self.mode == "hidden" else layers.all_types(self.type_k, self.type_v)
-            object.__setattr__(self, "window", window_for(types, w, hidden=self.mode == "hidden"))
+            object.__setattr__(self, "window", window_for(types, w))
 
     @property
     def label(self) -> str:

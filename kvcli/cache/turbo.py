@@ -380,8 +380,7 @@ class TQ3Store(TurboStore):
     name = "tq3"
     bits, block_size, block_bytes = 3, 64, 26  # 24 bytes of codes and a bf16 scale per 64 elements: 3.25 bits
     levels, signed = uniform_levels(3, tread=True), True  # -4 .. 3
-    default_window = 128  # measured KLD per window size (benchmarks/README.md, Recent window)
-    default_hidden_window = 128  # the hidden-state cache's, measured likewise (benchmarks/README.md)
+    default_window = 128  # measured KLD per window size, K/V and hidden-state caches (benchmarks/README.md)
     scale_grid = tuple(round(0.64 + 0.06 * i, 2) for i in range(8))
 
 

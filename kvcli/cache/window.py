@@ -15,8 +15,8 @@ they are made, and the store is read only below the window.
 
 A rewind (a chat keeping only a common prefix) can ask for positions whose f16 copy was already
 overwritten; they left the window before, so the store holds them and attention reads them there.
-How many positions the window keeps per storage type is `Store.default_window` (kvcli/cache/base.py), and
-for the hidden-state cache `Store.default_hidden_window` where a type sets one.
+How many positions the window keeps per storage type is `Store.default_window` (kvcli/cache/base.py), the
+hidden-state cache's included.
 
 The server's slots may be rows of one cache (KVCache.rows), each at its own position: the ring keeps
 what it holds and what the store holds per sequence, and `push_rows` takes one decode token per row.
