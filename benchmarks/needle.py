@@ -24,18 +24,22 @@ WIKITEXT = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
 INTRO = ("There is an important info hidden inside a lot of irrelevant text. Find it and memorize it. "
          "I will quiz you about the important information there.\n\n")
 QUESTION = "\n\nWhat is the pass key? The pass key is"
+ANSWER_TOKENS = 8  # generated after the prompt: prompt and answer fill N tokens, the context of an N-token run
 
 
 def prompt_ids(llm, haystack: list[int], length: int, depth: float, key: int) -> list[int]:
-    """INTRO + haystack tokens with the key sentence at `depth` of them + QUESTION, `length` tokens in all."""
+    """INTRO + haystack tokens with the key sentence at `depth` of them + QUESTION: `length` tokens in all with the
+    answer's ANSWER_TOKENS, so a run of N tokens fits an N-token context (a prompt of N would leave no room)."""
     intro, question = llm.tokenize(INTRO), llm.tokenize(QUESTION, add_bos=False)
     needle = llm.tokenize(f" The pass key is {key}. Remember it. {key} is the pass key. ", add_bos=False)
-    n_hay = length - len(intro) - len(question) - len(needle)
+    n_hay = length - ANSWER_TOKENS - len(intro) - len(question) - len(needle)
+    if n_hay > len(haystack):
+        raise SystemExit(f"error: the haystack text holds {len(haystack)} tokens, {n_hay} asked for")
     at = int(n_hay * depth)
     return intro + haystack[:at] + needle + haystack[at:n_hay] + question
 
 
-def answer(llm, ids: list[int], n: int = 8) -> str:
+def answer(llm, ids: list[int], n: int = ANSWER_TOKENS) -> str:
     from kvcli.sampler import Sampler
 
     llm.reset()
@@ -45,7 +49,7 @@ def answer(llm, ids: list[int], n: int = 8) -> str:
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("-m", "--model", default=None, help="a GGUF file or a `kvcli pull` name (default: SmolLM2)")
-    ap.add_argument("--lengths", default="4096,8192", help="haystack lengths in tokens, the prompt's whole length")
+    ap.add_argument("--lengths", default="4096,8192", help="run lengths in tokens: prompt and answer, the context")
     ap.add_argument("--depths", default="0.1,0.3,0.5,0.7,0.9", help="where the key sits, as fractions of the haystack")
     ap.add_argument("--caches", default="f16,tq4,tq3", help="K=V cache types (or K/V pairs), comma-separated")
     ap.add_argument("-t", "--threads", type=int, default=None)

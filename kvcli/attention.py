@@ -34,8 +34,11 @@ from kvcli.kernel_table import ATTEND, HIDDEN, QUANTIZE, WRITE, Entry
 from kvcli.kernels.layout import DENSE_KINDS, GGML_KINDS, DecodeWindow, Kind
 from kvcli.memory import MIB
 
-# f32 scratch budget per chunk of K (and again of V), in bytes: bounds peak memory.
-CHUNK_BYTES = 8 * MIB
+# f32 scratch budget per chunk of positions, in bytes: a chunk's K (B, Hkv, n, D) and its scores
+# (B, Hkv, G*T, n) each stay within it, so a long prefill (T = 512: G*T rows) holds a few of these at a
+# time, never scores over the whole context. Below glibc's largest mmap threshold (32 MiB), so the heap
+# reuses the buffers instead of faulting fresh pages in for every chunk.
+CHUNK_BYTES = 16 * MIB
 MIN_CHUNK = 256
 
 
@@ -120,6 +123,12 @@ def warm_up(cache) -> None:
         _cpu_module(module).warm_up(k, v)
 
 
+def chunk_positions(B: int, Hkv: int, rows: int, D: int) -> int:
+    """Positions per chunk of the cache: its K (B, Hkv, n, D) and scores (B, Hkv, rows, n) f32 within CHUNK_BYTES,
+    at least MIN_CHUNK."""
+    return max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * max(D, rows)))
+
+
 def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor, flash: bool = True,
                      recent: Recent | None = None) -> torch.Tensor:
     """pos: the batch's first position, or (T = 1) a (B,) tensor of each sequence's own."""
@@ -130,7 +139,7 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     qm = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D) * (1.0 / math.sqrt(D))
     qg = cache.k.to_storage(qm)  # the stores' space; the window is read in the model's (qm)
     key_bias = getattr(cache, "key_bias", None)
-    chunk = max(MIN_CHUNK, CHUNK_BYTES // (4 * B * Hkv * D))
+    chunk = chunk_positions(B, Hkv, G * T, D)
     # Query row r sits at position i = pos + r % T and reads the store below lim_i: lim_i = i + 1 (causal)
     # without a window, max(i - N + 1, recent.start) with one (the rest, up to i, from the window).
     # first / last: the smallest and largest lim; the store is read below `last`.
@@ -150,11 +159,11 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
         lim = q_pos + 1 if recent is None else (q_pos - recent.size + 1).clamp_min(recent.start)
 
     def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, G*T, c1 - c0)
-        s = cache.k.scores(layer, qg, c0, c1)
+        s = cache.k.scores(layer, qg, c0, c1)  # a fresh tensor: changed in place below
         if key_bias is not None:  # keys stored less their bias: q . R(p) b back (kvcli/cache/key_bias.py)
-            s = s + key_bias.scores(layer, qm, c0, c1)
+            s.add_(key_bias.scores(layer, qm, c0, c1))
         if c1 > first:  # the chunk reaches a row's limit: that row reads no further here
-            s = s.masked_fill(torch.arange(c0, c1, device=q.device) >= lim, float("-inf"))
+            s.masked_fill_(torch.arange(c0, c1, device=q.device) >= lim, float("-inf"))
         return s
 
     # (scores, p -> p . V) per part, in the order the softmax reads them: the window first (every row
@@ -197,7 +206,7 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     for i, (s, weighted_sum) in enumerate(parts):
         s = s()
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: every row sees a key in part 0
-        p = torch.exp(s - m_new)
+        p = s.sub_(m_new).exp_()
         scale = torch.exp(m - m_new)
         l = l * scale + p.sum(dim=-1, keepdim=True)
         pv = weighted_sum(p)
