@@ -19,6 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from kvcli.cache import CacheSpec, resolve_type
+from kvcli.cache.spec import treats_keys
 from kvcli.memory import MIB
 
 
@@ -41,6 +42,7 @@ class BenchRow:
     synthetic: bool = False
     window: int = 0  # the cache's recent window (kvcli/cache/window.py); its bytes are in cache_mib
     model_mib: float = 0.0  # the weights' resident bytes (kvcli.model.Transformer.weight_bytes)
+    keys_less_bias: bool = False  # keys stored less the model's K bias in some layer (kvcli/cache/key_bias.py)
 
 
 def split_list(value: str) -> list[str]:
@@ -105,6 +107,7 @@ def run_bench(make_llm, model_name: str, tests: list[tuple[str, int]], depths: l
             llm = make_llm(ctx, mode, *types, fa != "off", **({} if w is None else {"window": w}))
             done.add(llm.cache.window)
             params, weight_mib = n_params(llm) / 1e6, llm.model.weight_bytes() / MIB
+            keys_less_bias = bool(treats_keys(llm.config, llm.cache_spec))
             for depth in depths:
                 for test, n in tests:
                     if n <= 0:
@@ -114,7 +117,8 @@ def run_bench(make_llm, model_name: str, tests: list[tuple[str, int]], depths: l
                     label = f"{test}{n}" + (f" @ d{depth}" if depth else "")
                     rows.append(BenchRow(model_name, params, backend, threads, mode, tk, tv, th, fa, label, depth,
                                          statistics.mean(speeds), statistics.pstdev(speeds),
-                                         llm.cache.nbytes() / MIB, synthetic, llm.cache.window, weight_mib))
+                                         llm.cache.nbytes() / MIB, synthetic, llm.cache.window, weight_mib,
+                                         keys_less_bias))
                     if progress:
                         progress(rows[-1])
             del llm

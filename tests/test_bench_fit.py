@@ -139,6 +139,7 @@ def test_bench_rows_and_formats(tmp_path):
     llm = make(32, "kv", "f16", "f16", "f16", True)
     assert rows[0].params_m * 1e6 == sum(t.n_elements for t in open_gguf(path).tensors.values())  # llama-bench's
     assert rows[0].model_mib == llm.model.weight_bytes() / 2**20 > 0
+    assert not rows[0].keys_less_bias  # a llama: no K bias to take off
     md = to_markdown(rows)
     assert md.count("\n") == 1 + len(rows) and "| t.gguf |" in md
     assert json.loads(to_json(rows))[0]["type_k"] == "f16"

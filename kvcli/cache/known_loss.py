@@ -2,7 +2,7 @@
 it is more than 1% perplexity, before the first token (issue 41: a user who follows `-ctk q4` on a Qwen2.5 file
 should be told, not find out).
 
-Each row is a measured figure (benchmarks/README.md, "Small caches on Qwen2.5 and SmolLM2", the commands there:
+Each row is a measured figure (benchmarks/README.md, "Qwen2.5 and keys less their bias", the commands there:
 `kvcli perplexity -f wiki.test.raw -c 512 --chunks 20 --sweep ...`, PPL change against the f16 cache). A family is
 the architecture, and for qwen2 whether its keys carry a bias the cache leaves in them; rows are found by the
 choice's K and V types, window and key treatment exactly. A choice without a row gets no warning (nothing known).
