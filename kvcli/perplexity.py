@@ -114,36 +114,42 @@ def balanced_n_seq(batch_size: int, n_ctx: int, n_chunk: int) -> int:
 SCORE_ROWS = 16  # scored positions whose full-vocabulary log-probs (and KLD terms) are live at once
 
 
-def chunk_logits(llm, inputs: "torch.Tensor", n_seq: int, cache=None) -> Iterable[tuple[int, "torch.Tensor"]]:
-    """Yield (chunk index, logits (n_scored, V) of its scored positions), running n_seq chunks per forward (fresh
-    cache each). Only those rows go through the output head (at -c 32768 all of them would be 20 GB in f32 for a
-    152k vocabulary); the forward's logits are dropped once its chunks are consumed."""
+def chunk_logits(llm, inputs: "torch.Tensor", n_seq: int, cache=None) -> Iterable[tuple[int, Iterable]]:
+    """Yield (chunk index, its scored positions' logits as blocks (row offset, (r, V) f32)), running n_seq chunks per
+    forward (fresh cache each); consume a chunk's blocks before asking for the next chunk. Only those rows go through
+    the output head, and one forward batch's are live at a time: a lone chunk's blocks are its forward batches as
+    they come (at -c 32768 its 16k scored rows would be 10 GB in f32 for a 152k vocabulary), several chunks' one
+    block each, of the forward that made them."""
     n_ctx = inputs.shape[1]
     first = first_scored(n_ctx)
     for i in range(0, inputs.shape[0], n_seq):
-        logits = llm.logits(inputs[i : i + n_seq], cache=cache, first=first, stop=first + n_scored(n_ctx))
-        for b in range(logits.shape[0]):
-            yield i + b, logits[b]
-        del logits
+        batches = llm.logit_batches(inputs[i : i + n_seq], cache=cache, first=first, stop=first + n_scored(n_ctx))
+        if min(n_seq, inputs.shape[0] - i) == 1:
+            yield i, ((lo, logits[0]) for lo, logits in batches)
+            continue
+        blocks = list(batches)  # several chunks: each batch holds rows of all of them
+        for b in range(blocks[0][1].shape[0]):
+            yield i + b, [(lo, logits[b]) for lo, logits in blocks]
+        del blocks
 
 
-def score_chunk(logits: "torch.Tensor", score: Callable, rows: int | None = None):
+def score_chunk(blocks: Iterable, score: Callable, rows: int | None = None):
     """Apply score(positions, log_probs) to one chunk's scored positions, `rows` at a time, and
     concatenate what it returns (a tensor (r,) or a dict of them) into (n_scored,) per key.
 
-    logits (n_scored, V), the scored positions' (chunk_logits'); positions is a slice of 0..n_scored-1 (index
-    targets with it) and log_probs its f32 log-softmax (r, V): only one such block of the vocabulary-wide terms is
-    live at a time. Row-wise operations give each position the same bits whatever `rows` is."""
+    blocks: the chunk's scored logits as (row offset, logits (r, V)) (chunk_logits'); positions is a slice of
+    0..n_scored-1 (index targets with it) and log_probs its f32 log-softmax: only one such block of the vocabulary-wide
+    terms is live at a time. Row-wise operations give each position the same bits whatever `rows` is."""
     import torch
 
     rows = SCORE_ROWS if rows is None else rows
-    n = logits.shape[0]
     parts = []
-    for r in range(0, n, rows):
-        pos = slice(r, min(r + rows, n))
-        lp = torch.log_softmax(logits[pos].float(), dim=-1)
-        parts.append(score(pos, lp))
-        del lp
+    for lo, logits in blocks:
+        n = logits.shape[0]
+        for r in range(0, n, rows):
+            lp = torch.log_softmax(logits[r : r + rows].float(), dim=-1)
+            parts.append(score(slice(lo + r, lo + min(r + rows, n)), lp))
+            del lp
     if isinstance(parts[0], dict):
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return torch.cat(parts)

@@ -94,11 +94,13 @@ def test_ppl_matches_direct_computation(tiny, app, tmp_path):
     ppl, err = ppl_of(nll)
 
     out = tmp_path / "r.json"
-    r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-b", N_CTX, "-ctk", "f32", "-ctv", "f32", "--json", out)
-    assert r.exit_code == 0, r.output
-    got = json.loads(out.read_text())
-    assert got["count"] == len(nll) and got["n_chunk"] == n_chunk
-    assert got["ppl"] == pytest.approx(ppl, rel=1e-5) and got["ppl_err"] == pytest.approx(err, rel=1e-4)
+    # a chunk in one forward, and in four (its scored rows then come as the batches make them: chunk_logits' blocks)
+    for batch in (N_CTX // 4, N_CTX):
+        r = invoke(app, "-m", path, "-f", text, "-c", N_CTX, "-b", batch, "-ctk", "f32", "-ctv", "f32", "--json", out)
+        assert r.exit_code == 0, r.output
+        got = json.loads(out.read_text())
+        assert got["count"] == len(nll) and got["n_chunk"] == n_chunk
+        assert got["ppl"] == pytest.approx(ppl, rel=1e-5) and got["ppl_err"] == pytest.approx(err, rel=1e-4)
     m = re.search(r"Final estimate: PPL = ([\d.]+) \+/- ([\d.]+)", r.stdout)
     assert float(m[1]) == pytest.approx(ppl, rel=1e-5) and float(m[2]) == pytest.approx(err, rel=1e-4)
     running = [float(v) for v in re.findall(r"\[\d+\]([\d.]+),", r.stdout)]

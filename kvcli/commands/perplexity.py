@@ -205,22 +205,24 @@ def _run_one(llm, inputs, targets, n_seq: int, base: Base | None, writer: "BaseW
     t_pass = time.perf_counter()
     done = interrupted = False
     try:
-        for i, logits in chunk_logits(llm, inputs, n_seq):
+        for i, logits in chunk_logits(llm, inputs, n_seq):  # logits: the chunk's blocks, made as they are scored
+            if base is None:
+                stats.add(score_chunk(logits, lambda pos, lp: _nll_and_save(lp, targets[i, pos], writer)))
+            else:
+                kld.add(score_chunk(logits, lambda pos, lp: _kld_rows(lp, targets[i, pos], base.rows(i, pos))))
+            del logits
             if i == 0:  # llama.cpp's first-pass timing line
                 t = time.perf_counter() - t_pass
                 log(f"perplexity: {t:.2f} seconds per pass - ETA {t * n_chunk / n_seq / 60:.2f} minutes")
             if base is None:
-                stats.add(score_chunk(logits, lambda pos, lp: _nll_and_save(lp, targets[i, pos], writer)))
                 # on a terminal the line shows whole at the end, above the bar (which shows the running PPL)
                 print(f"[{i + 1}]{stats.ppl:.4f},", end="", flush=not sys.stdout.isatty())
                 progress.update(task, advance=1, description=f"[{i + 1}] PPL {stats.ppl:.4f}")
             else:
                 if i == 0:
                     print(KLD_TABLE_HEADER, flush=True)
-                kld.add(score_chunk(logits, lambda pos, lp: _kld_rows(lp, targets[i, pos], base.rows(i, pos))))
                 print(kld.chunk_line(i + 1), flush=True)
                 progress.update(task, advance=1, description=f"[{i + 1}] KLD {kld.kld / kld.count:.6f}")
-            del logits
         done = True
     except KeyboardInterrupt:  # Ctrl-C: report the estimate over the chunks scored so far
         interrupted = True
