@@ -150,6 +150,7 @@ def score_chunk(blocks: Iterable, score: Callable, rows: int | None = None):
             lp = torch.log_softmax(logits[r : r + rows].float(), dim=-1)
             parts.append(score(slice(lo + r, lo + min(r + rows, n)), lp))
             del lp
+        del logits  # before the next block is made: one batch's logits live at a time
     if isinstance(parts[0], dict):
         return {k: torch.cat([p[k] for p in parts]) for k in parts[0]}
     return torch.cat(parts)

@@ -125,10 +125,11 @@ def perplexity_command(
         else:
             inputs, targets = make_chunks(tokens, ctx_size, chunks, bos_id)
         n_chunk = inputs.shape[0]
-        # sequences batched per forward give each the same bits as one at a time; -ub bounds the logits held
+        # sequences batched per forward give each the same bits as one at a time; -ub bounds the logits held, and a
+        # forward's tokens as llama.cpp's physical batch does (2048 rows of a 152k vocabulary: 1.2 GB of logits)
         n_seq = balanced_n_seq(min(batch_size, ubatch_size), ctx_size, n_chunk)
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
-                    batch_size=min(batch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
+                    batch_size=min(batch_size, ubatch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
                     cache_mode=base_spec.mode, cache_type_h=base_spec.type_h, weights=weights,
                     cache_window=base_spec.window, cache_key_bias=base_spec.key_bias)
         return_freed_memory()
