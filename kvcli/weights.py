@@ -36,6 +36,9 @@ from kvcli import kernel_table as table
 from kvcli.kernel_table import AVX512, BF16, NORM, PRODUCT, ROWS, Entry
 from kvcli.kernels.cpu.int4_tiles import GROUP, pack_pairs, tile_width, unpack_pairs
 
+# Rows up to which a FileBlocks product runs on the blocks (a slab of rows decoded for every row of x); a larger batch
+# decodes f32 slabs for a GEMM.
+FILE_GEMV_ROWS = 16
 # Rows above which a product dequantizes to f32 and runs a GEMM: a CPU multiplies one row by
 # f16 or packed codes fast (GEMV), a prefill batch faster as an f32 GEMM, conversion included.
 UPCAST_ROWS = 32
@@ -59,11 +62,16 @@ BF16_ROWS = 40
 def warm_up(model, rows: int) -> None:
     """Load decode's product kernel for up to `rows` rows at a time now (from numba's cache; compiled the first time
     on a machine: seconds), where it will run: the kernel of the PRODUCT entry a CPU model's Int4 and Int8 matrices
-    chose, if it has one to load."""
-    kinds = {f.kind for f in model.forms().values() if getattr(f, "kind", None) in ("int4", "int8")}
+    chose, if it has one to load, and each FileBlocks type's kernels."""
+    forms = [p for f in model.forms().values() for p in getattr(f, "parts", [f])]
+    kinds = {f.kind for f in forms if getattr(f, "kind", None) in ("int4", "int8")}
     loads = {getattr(table.choose(PRODUCT, "cpu", kind).run, "warm_up", None) for kind in kinds} - {None}
     for load_kernel in loads:
         load_kernel(rows)
+    file_types = {f.type for f in forms if isinstance(f, FileBlocks)}
+    if file_types and _numba_ready():
+        for ggml_type in sorted(file_types):
+            _cpu_kernel("ggml_rows").warm_up(ggml_type)
 
 
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
@@ -412,6 +420,64 @@ class Blocks:
         return Blocks(move(self.codes), move(self.scale), move(self.min), self.bits, self.dtype)
 
 
+class FileBlocks:
+    """W (N, K) in the file's own ggml blocks: raw (N, K / QK * bytes a block) uint8, read-only, a view of the memory map
+    or a copy of it (fused rows), multiplied where it lies by kvcli/kernels/cpu/ggml_rows.py (decode: a slab of rows
+    decoded at a time for every row of x; a batch: f32 slabs + GEMM). No byte more than the file's."""
+
+    kind = "ggml"
+
+    def __init__(self, raw: np.ndarray, ggml_type: str, k: int):
+        if raw.flags.writeable:  # one compiled kernel a type: every form's bytes typed read-only, as the map's are
+            raw.setflags(write=False)
+        self.raw, self.type, self.k = raw, ggml_type, k
+        self.product = None  # its PRODUCT entry's run, chosen at the first product (`matmul`)
+
+    @property
+    def name(self) -> str:
+        return self.type.lower()
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.raw.shape[0], self.k
+
+    @property
+    def nbytes(self) -> int:
+        return self.raw.nbytes
+
+    def matmul(self, x: torch.Tensor) -> torch.Tensor:
+        run = self.product
+        if run is None:
+            run = self.product = table.choose(PRODUCT, "cpu", self.kind).run
+        return run(self, x)
+
+    def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
+        """PRODUCT's reference: f32 GEMMs over slabs of W dequantized by gguf-py (slab_t)."""
+        return _file_slab_products(self, x, self.slab_t)
+
+    def slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """ROWS' reference (gguf-py's dequantization): rows start..stop-1 as W.T (K, stop - start) in `dtype`."""
+        import gguf
+
+        w = gguf.quants.dequantize(self.raw[start:stop], gguf.GGMLQuantizationType[self.type])
+        return torch.from_numpy(np.ascontiguousarray(w, np.float32)).T.to(dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32, only those decoded (the embedding)."""
+        flat = ids.reshape(-1).numpy().astype(np.int64)
+        if _numba_ready():
+            out = _cpu_kernel("ggml_rows").dequantize_ids(self.type, self.raw, flat, np.empty((len(flat), self.k),
+                                                                                              np.float32))
+            return torch.from_numpy(out).view(*ids.shape, self.k)
+        return torch.stack([self.slab_t(int(i), int(i) + 1)[:, 0] for i in flat]).view(*ids.shape, self.k)
+
+    def dequantize(self) -> torch.Tensor:
+        return self.slab_t(0, self.shape[0]).T.contiguous()
+
+    def narrow(self, start: int, n: int) -> FileBlocks:
+        return FileBlocks(self.raw[start : start + n], self.type, self.k)
+
+
 class Rows:
     """Rows start..start+n-1 of a form that cannot be sliced in place (a packed tile split)."""
 
@@ -491,6 +557,8 @@ def cat(forms: list):
         join = lambda ts: None if ts[0] is None else torch.cat(ts)
         return Blocks(join([f.codes for f in forms]), join([f.scale for f in forms]), join([f.min for f in forms]),
                       forms[0].bits, forms[0].dtype)
+    if kinds == {FileBlocks} and len({(f.type, f.k) for f in forms}) == 1:  # one copy of the layer's rows
+        return FileBlocks(np.concatenate([f.raw for f in forms]), forms[0].type, forms[0].k)
     if kinds == {Int4} and all(f.n == f.packed.shape[0] for f in forms[:-1]):
         return Int4(torch.cat([f.packed for f in forms]), torch.cat([f.sz for f in forms], 1),
                     sum(f.n for f in forms))
@@ -499,12 +567,19 @@ def cat(forms: list):
 
 # ---- from the GGUF file ----
 
+# ggml types kept in their own blocks on the CPU (FileBlocks): (elements, bytes) a block, ggml-common.h's (the tests
+# check them against gguf-py's GGML_QUANT_SIZES and kvcli/kernels/cpu/ggml_rows.py's TYPES)
+FILE_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
+               "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
+               "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
+
+
 def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
     """The form a matrix of `ggml_type` is kept in: 'int4', 'int8' (CPU), 'int4_cuda', 'int8_cuda'
-    (CUDA: Blocks), or a dense dtype name.
+    (CUDA: Blocks), the type's name in lower case (CPU: FileBlocks, the file's own bytes), or a dense dtype name.
 
-    weights: native (packed where torch's CPU kernel or the Triton kernel fits, else dense at the
-    compute dtype), f16, f32."""
+    weights: native (packed where torch's CPU kernel or the Triton kernel fits, the file's blocks for the other
+    types FILE_BLOCKS lists, else dense at the compute dtype), f16, f32."""
     if weights != "native":
         return weights
     if device == "cuda" and ggml_type in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
@@ -514,6 +589,8 @@ def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
             return "int4"
         if ggml_type == "Q8_0":
             return "int8"
+    if device == "cpu" and ggml_type in FILE_BLOCKS:
+        return ggml_type.lower()
     return dtype
 
 
@@ -528,6 +605,9 @@ def resident_bytes(form: str, n: int, k: int) -> int:
         return n * k // 2 + n * (k // GROUP) * 4
     if form == "int8_cuda":  # codes, f16 scale
         return n * k + n * (k // GROUP) * 2
+    if form.upper() in FILE_BLOCKS:  # the file's own blocks
+        elements, block_bytes = FILE_BLOCKS[form.upper()]
+        return n * k // elements * block_bytes
     return n * k * _DENSE[form].itemsize
 
 
@@ -638,6 +718,8 @@ def load(tensor, form: str, dtype: str = "f32"):
         return cat([Int8.from_codes(torch.from_numpy(np.ascontiguousarray(b["qs"][s : s + SLAB_ROWS])).flatten(1),
                                     d[s : s + SLAB_ROWS]) for s in range(0, len(b), SLAB_ROWS)])
     n, k = (int(np.prod([int(s) for s in tensor.shape[1:]])), int(tensor.shape[0]))
+    if form.upper() in FILE_BLOCKS:  # the memory map's bytes as they lie: no copy, nothing decoded
+        return FileBlocks(np.asarray(tensor.data).reshape(n, -1), tensor.tensor_type.name, k)
     w = torch.empty(n, k, dtype=_DENSE[form])
     for s in range(0, n, SLAB_ROWS):  # a slab of rows in f32 at a time: peak = the result plus one slab
         w[s : s + SLAB_ROWS] = torch.from_numpy(dequantize(tensor, s, s + SLAB_ROWS))
@@ -683,6 +765,31 @@ def _slab_products(form: Int4, x: torch.Tensor, dtype: torch.dtype, slab=None) -
     parts = [x @ slab(s, min(s + step, Np), dtype) for s in range(0, Np, step)]
     y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)  # one slab: no copy
     return y if Np == form.n else y[..., : form.n].contiguous()
+
+
+def _file_slab_products(form: FileBlocks, x: torch.Tensor, slab) -> torch.Tensor:
+    """x @ W.T for a FileBlocks form by f32 slabs of W (slab(start, stop) -> W.T's slab (K, stop - start)), each
+    product taken before the next slab (which may reuse the scratch)."""
+    N, K = form.shape
+    step = max(1, SLAB_ELEMS // K)
+    parts = [x @ slab(s, min(s + step, N)) for s in range(0, N, step)]
+    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+
+
+def _file_slab(form: FileBlocks, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ROWS for FileBlocks: rows start..stop-1 decoded by the type's kernel into the thread's scratch, as W.T."""
+    out = _scratch(form.k * (stop - start)).view(stop - start, form.k)
+    _cpu_kernel("ggml_rows").dequantize(form.type, form.raw, start, stop, out.numpy())
+    return out.T if dtype == torch.float32 else out.T.to(dtype)
+
+
+def _file_blocks_numba(form: FileBlocks, x: torch.Tensor) -> torch.Tensor:
+    """Up to FILE_GEMV_ROWS rows on the blocks (ggml_rows.matmul), a batch by f32 slabs + GEMM."""
+    rows = _rows(x)
+    if rows > FILE_GEMV_ROWS:
+        return _file_slab_products(form, x, lambda start, stop: _file_slab(form, start, stop))
+    y = _cpu_kernel("ggml_rows").matmul(form.type, form.raw, x.reshape(rows, form.k).contiguous().numpy())
+    return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
 
 
 def _int4_batch(form: Int4, x: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -814,6 +921,12 @@ for _entry in (
     Entry(PRODUCT, "cpu", frozenset({"int8"}), "kvcli/weights.py: torch's int4 GEMV a part, then f32 slabs + GEMM",
           _int8_portable, ready=_int4_tiles_ready, tol=BF16_TOL,
           why="the packed codes read as they lie, with no kernel of kvcli's"),
+    Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors) to "
+          "FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_numba, ready=_numba_ready,
+          why="the file's blocks decoded a slab of rows at a time, in the core's cache, for every row of x"),
+    Entry(ROWS, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors)", _file_slab,
+          covers=lambda dtype=None, **_: dtype == torch.float32, ready=_numba_ready,
+          why="one pass over the blocks where gguf-py's numpy takes several"),
     Entry(PRODUCT, "cuda", frozenset({"int4_cuda", "int8_cuda"}),
           "kvcli/kernels/gpu/weights.py (Triton) to KERNEL_ROWS rows, then slabs + GEMM", _blocks_triton,
           ready=_triton_ready, why="decode: each tile of codes decoded once in registers for every row"),
@@ -848,6 +961,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 # Each form kind, the device its form lives on, and what it is.
 _KINDS = (("int4", "cpu", "Q4_0 / Q4_1 / Q4_K on CPU"), ("int8", "cpu", "Q8_0 on CPU"),
+          ("ggml", "cpu", "the other ggml types on CPU, in the file's blocks"),
           ("int4_cuda", "cuda", "Q4_* on CUDA"), ("int8_cuda", "cuda", "Q8_0 on CUDA"))
 
 

@@ -466,6 +466,53 @@ if numba is not None:
                           types.float32, types.int64, types.int64), _block_codegen("nibbles")
 
 
+def widen_bits(rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m):
+    """Compiled only: buf[bt, bcol : bcol + 16] = d u + m (one fma) for the 16 bytes lo at col and hi at hcol of
+    rows[t] (rows (n, row_bytes) uint8, buf (n', D) f32), u = ((lo >> shift) & mask) | (((hi >> hshift) & hmask) <<
+    hpos): a K-quant's 16 codes whose low bits lie in one byte array and high bits in another (hmask 0: none), as
+    LLVM vectors (numba's own loop over them stays scalar)."""
+    raise NotImplementedError
+
+
+if numba is not None:
+
+    def _bits_codegen(context, builder, sig, args):
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        rows, buf = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 9))
+        t, col, shift, mask, hcol, hshift, hmask, hpos, _, bt, bcol, d, m = args[1:]
+        vi = ir.VectorType(i32, 16)
+
+        def splat(x, ty):
+            v = builder.insert_element(ir.Constant(ty, None), x, ir.Constant(i32, 0))
+            return builder.shuffle_vector(v, v, ir.Constant(vi, [0] * 16))
+
+        def codes(at):
+            addr = builder.add(ir_at(builder, rows, t), at)
+            return builder.zext(builder.load(builder.inttoptr(addr, ir.VectorType(i8, 16).as_pointer()), align=1), vi)
+
+        def bits(v, sh, mk):
+            return builder.and_(builder.lshr(v, splat(builder.trunc(sh, i32), vi)), splat(builder.trunc(mk, i32), vi))
+
+        high = builder.shl(bits(codes(hcol), hshift, hmask), splat(builder.trunc(hpos, i32), vi))
+        u = builder.sitofp(builder.or_(bits(codes(col), shift, mask), high), ir.VectorType(_F32, 16))
+        vf = ir.VectorType(_F32, 16)
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(vf, [vf] * 3), "llvm.fma.v16f32")
+        out = builder.add(ir_at(builder, buf, bt), builder.mul(bcol, ir.Constant(i64, 4)))
+        builder.store(builder.call(fma, [splat(d, vf), u, splat(m, vf)]), builder.inttoptr(out, vf.as_pointer()),
+                      align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def _widen_bits(typingctx, rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m):
+        i = types.int64
+        return types.none(rows, i, i, i, i, i, i, i, i, buf, i, i, types.float32, types.float32), _bits_codegen
+
+    @overload(widen_bits)
+    def _widen_bits_overload(rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m):
+        return lambda rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m: _widen_bits(
+            rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m)
+
+
 def dense_key_scores(kc, n, q, g0, s, scale, pf, at, npf):
     """Compiled only (dense_key_scores1..4, a group of 1-4 query heads g0..): s[g0 + g, t] = scale (q[g0 + g] . kc[t])
     for t < n, kc (n', D) a chunk of key rows as they lie (f32, f16 bits as uint16, bf16 bits as int16), q (G, D)

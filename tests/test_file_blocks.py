@@ -1,0 +1,158 @@
+"""Weights kept in the file's own ggml blocks (kvcli/weights.py FileBlocks, kvcli/kernels/cpu/ggml_rows.py): every type's
+decoder against gguf-py's dequantization on adversarial blocks, every PRODUCT entry of the kind against
+dequantize-then-matmul in f64 at decode and prompt row counts, the bits alone and in a batch and at any thread count,
+the load as a view of the memory map, tiny models of each type gguf-py quantizes against --weights f32."""
+
+import gguf
+import numpy as np
+import pytest
+import torch
+
+from kvcli import kernel_table as table
+from kvcli.gguf_file import open_gguf, read_tensor
+from kvcli.kernel_table import PRODUCT, ROWS
+from kvcli.llama import Llama
+from kvcli.sampler import Sampler
+from kvcli.shapes import weight_bytes
+from kvcli.weights import FILE_BLOCKS, FileBlocks, load, resident_form
+from tests.test_weights import runnable
+from tests.tiny import make_hf_model, write_gguf
+
+ggml_rows = pytest.importorskip("kvcli.kernels.cpu.ggml_rows")
+TYPES = sorted(FILE_BLOCKS)
+# each type's f16 fields (scales, mins) by byte offset in its block, ggml-common.h's
+F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
+              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
+ROW_COUNTS = (1, 4, 8, 16, 17, 33, 512)  # the kernel's groups of 4, its last row count, the slabs' GEMM
+
+
+def adversarial(ggml_type: str, N: int, K: int, seed: int = 0) -> np.ndarray:
+    """(N, K / QK * bytes) uint8 blocks: random codes and sub-scales (every bit pattern), f16 scales from 6e-8
+    (subnormal) to 1e3, negative and zero ones, and whole rows of all-zero and all-one code bytes."""
+    QK, B = FILE_BLOCKS[ggml_type]
+    rng = np.random.default_rng(seed)
+    raw = rng.integers(0, 256, (N, K // QK, B), dtype=np.uint8)
+    raw[0], raw[1] = 255, 0
+    for o in F16_FIELDS[ggml_type]:
+        d = np.exp(rng.uniform(-16, 7, (N, K // QK))) * rng.choice([1, 1, -1], (N, K // QK))
+        d[2, 0], d[3, -1] = 0, 6e-8
+        raw[..., o : o + 2] = d.astype(np.float16)[..., None].view(np.uint8)
+    return raw.reshape(N, -1)
+
+
+def test_block_tables_are_ggmls():
+    for t in TYPES:
+        assert FILE_BLOCKS[t] == ggml_rows.TYPES[t] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]], t
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_decoders_equal_gguf_py(ggml_type):
+    """Each type's decoder (its LLVM-vector form where it has one) gives gguf-py's values bit for bit, whole and
+    for rows picked out of order (the embedding's)."""
+    QK, _ = FILE_BLOCKS[ggml_type]
+    N, K = 6, 3 * max(QK, 64)
+    raw = adversarial(ggml_type, N, K)
+    want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type])
+    got = ggml_rows.dequantize(ggml_type, raw, 0, N, np.empty((N, K), np.float32))
+    np.testing.assert_array_equal(got, want)
+    ids = np.array([4, 0, 4, 2], np.int64)
+    np.testing.assert_array_equal(ggml_rows.dequantize_ids(ggml_type, raw, ids, np.empty((4, K), np.float32)),
+                                  want[ids])
+
+
+def product_params() -> list:
+    return [pytest.param(e, id=e.isa) for e in table.entries(PRODUCT) if "ggml" in e.keys and e.device == "cpu"] \
+        + [pytest.param(table.reference(PRODUCT), id="reference")]
+
+
+@pytest.mark.parametrize("entry", product_params())
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_each_product_entry_equals_dequantized_f64(ggml_type, entry):
+    """x W.T against W = gguf-py's values times x in f64 at every path's row counts, x with a zero block and columns
+    of different scales: f32 arithmetic, so within 2^-18 of sum |x| |w| per output."""
+    runnable(entry)
+    QK, _ = FILE_BLOCKS[ggml_type]
+    N, K = 37, 2 * max(QK, 128)
+    form = FileBlocks(adversarial(ggml_type, N, K, seed=1), ggml_type, K)
+    w = torch.from_numpy(gguf.quants.dequantize(form.raw, gguf.GGMLQuantizationType[ggml_type])).double()
+    g = torch.Generator().manual_seed(7)
+    for M in ROW_COUNTS:
+        x = torch.randn(1, M, K, generator=g) * torch.logspace(-2, 2, K)
+        x[..., 32:64] = 0
+        got = entry.run(form, x)
+        assert got.shape == (1, M, N) and got.dtype == torch.float32
+        err = (got.double() - x.double() @ w.T).abs()
+        bound = 2.0**-18 * (x.double().abs() @ w.abs().T) + 1e-30
+        assert (err <= bound).all(), (entry.name, M, (err / bound).max().item())
+
+
+@pytest.mark.parametrize("ggml_type", ["Q5_0", "Q6_K", "IQ4_XS"])
+def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type):
+    """Decode's rows: a row's product alone equals the same row beside 3 others and at -t 1 and -t 2, bit for bit
+    (the server's slots, and a sequence's answer at any thread count)."""
+    QK, _ = FILE_BLOCKS[ggml_type]
+    K = 2 * max(QK, 128)
+    raw = adversarial(ggml_type, 203, K, seed=2)
+    x = np.random.default_rng(3).standard_normal((4, K)).astype(np.float32)
+    before = torch.get_num_threads()
+    try:
+        outs = []
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            outs += [ggml_rows.matmul(ggml_type, raw, x[:1].copy())[0], ggml_rows.matmul(ggml_type, raw, x)[0]]
+    finally:
+        torch.set_num_threads(before)
+    for o in outs[1:]:
+        np.testing.assert_array_equal(o, outs[0])
+
+
+def _model(tmp_path, qtype: str, tied: bool = False):
+    """A tiny model with every matrix quantized to qtype by gguf-py; norms stay f32."""
+    model = make_hf_model(n_layers=2, hidden=64, tied=tied, seed=3)
+    path = write_gguf(model, tmp_path / "f32.gguf")
+    g = open_gguf(path)
+    q = gguf.GGMLQuantizationType[qtype]
+    raw = {n: (gguf.quants.quantize(read_tensor(g, n), q), q) for n, t in g.tensors.items() if len(t.shape) == 2}
+    return write_gguf(model, tmp_path / f"{qtype}.gguf", raw=raw)
+
+
+def test_load_keeps_the_files_bytes_in_place(tmp_path):
+    """A Q5_0 matrix loads as a read-only view of the file's memory map: its bytes, no copy, nothing decoded."""
+    g = open_gguf(_model(tmp_path, "Q5_0"))
+    t = g.tensors["blk.0.ffn_down.weight"]
+    form = load(t, resident_form("Q5_0", "native", "f32", "cpu"))
+    assert isinstance(form, FileBlocks) and form.name == "q5_0"
+    assert form.nbytes == t.n_bytes and np.shares_memory(form.raw, np.asarray(t.data))
+    assert not form.raw.flags.writeable
+    np.testing.assert_array_equal(form.dequantize().numpy(), read_tensor(g, "blk.0.ffn_down.weight"))
+
+
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("tied", [True, False])
+def test_tiny_model_in_file_blocks_equals_f32_weights(tmp_path, qtype, tied):
+    """Greedy tokens and logits of a tiny Q5_0 / Q5_1 model (the types no packed form takes) with native weights
+    equal --weights f32's: the same values, f32 products; the plan counts the resident bytes, the file's."""
+    path = _model(tmp_path, qtype, tied)
+    native = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32")
+    exact = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32", weights="f32")
+    assert {f.kind for f in native.model.forms().values()} == {"ggml"}
+    ids = list(range(5, 45))  # one prompt batch (the slabs' GEMM) then decode's rows
+    torch.testing.assert_close(native.logits(ids), exact.logits(ids), rtol=1e-4, atol=1e-4)
+    prompt = [7, 100, 33]
+    ga = list(native.generate(prompt, n_predict=12, sampler=Sampler(temp=0), stop_at_eog=False))
+    gb = list(exact.generate(prompt, n_predict=12, sampler=Sampler(temp=0), stop_at_eog=False))
+    assert ga == gb
+    types = {n: t.tensor_type.name for n, t in native.gguf.tensors.items()}
+    assert weight_bytes(native.config, "f32", not tied, "native", types) == native.model.weight_bytes()
+    file_bytes = sum(t.n_bytes for t in native.gguf.tensors.values() if len(t.shape) == 2)
+    assert native.model.weight_bytes() - sum(b.nbytes for b in native.model.buffers() if b is not native.model.rot) \
+        == file_bytes
+
+
+def test_the_slab_entry_equals_the_reference():
+    """ROWS for FileBlocks: the kernel's f32 slab of W.T equals gguf-py's, from a middle row on too."""
+    form = FileBlocks(adversarial("Q6_K", 20, 512, seed=4), "Q6_K", 512)
+    entry = table.choose(ROWS, "cpu", "ggml", dtype=torch.float32)
+    runnable(entry)
+    ref = table.reference(ROWS)
+    assert torch.equal(entry.run(form, 3, 17, torch.float32).clone(), ref.run(form, 3, 17, torch.float32))
