@@ -15,7 +15,7 @@ from kvcli.sampler import Sampler
 from kvcli.gguf_file import read_tensor
 from kvcli.llama import Llama
 from kvcli.shapes import weight_bytes
-from kvcli.weights import FILE_BLOCKS
+from kvcli.weights import FILE_BLOCKS, resident_form
 from tests.tiny import gguf_names, llama_permute, llama_unpermute
 
 DATA = Path(__file__).parent / "data"
@@ -29,11 +29,11 @@ HF_BOUND = 1e-4  # kvcli f32 against transformers f32: summation order only
 
 
 def native_form(ggml_type: str) -> str:
-    """The resident form a matrix of this type should get under native weights at --dtype f32: Q4_K and Q8_0 packed
-    for torch's int4 kernel where it is, the other ggml types in the file's own blocks (FileBlocks)."""
-    if tile_width() is not None and ggml_type in ("Q4_K", "Q8_0"):
-        return {"Q4_K": "int4", "Q8_0": "int8"}[ggml_type]
-    return ggml_type.lower() if ggml_type in FILE_BLOCKS else "f32"
+    """The resident form a matrix of this type should get under native weights at --dtype f32: Q4_K packed for torch's
+    int4 kernel where it is, Q8_0 for the int8-dot kernel where it runs, the others in the file's own blocks."""
+    if tile_width() is not None and ggml_type == "Q4_K":
+        return "int4"
+    return resident_form(ggml_type, "native", "f32", "cpu") if ggml_type in FILE_BLOCKS else "f32"
 
 
 def hf_model(llm: Llama):
@@ -104,7 +104,7 @@ def test_fixtures_are_there():
 
 
 def test_native_forms(fixture):
-    """Q4_K -> int4, Q8_0 -> int8, the other ggml types their own blocks; fused projections join their parts' forms."""
+    """Q4_K -> int4, the other ggml types as native_form says; fused projections join their parts' forms."""
     _, native, _ = fixture
     types = {n: t.tensor_type.name for n, t in native.gguf.tensors.items()}
     parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
