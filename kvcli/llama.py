@@ -158,6 +158,8 @@ class Llama:
         self.device = device
         self.model = Transformer(c, tensors, compute, self.n_ctx).to(device)
         del tensors
+        if not self.synthetic:  # fusing a layer's file blocks (q/k/v, gate/up) read their pages: copies now hold them
+            self.gguf.drop_pages()
         return_freed_memory()  # the load's freed temporaries go back
         self.cache = self.new_cache(self.cache_spec)
         if device == "cpu" and self.cache_spec.mode == "kv":

@@ -62,16 +62,14 @@ BF16_ROWS = 40
 def warm_up(model, rows: int) -> None:
     """Load decode's product kernel for up to `rows` rows at a time now (from numba's cache; compiled the first time
     on a machine: seconds), where it will run: the kernel of the PRODUCT entry a CPU model's Int4 and Int8 matrices
-    chose, if it has one to load, and each FileBlocks type's kernels."""
+    chose, if it has one to load, and the FileBlocks kernels."""
     forms = [p for f in model.forms().values() for p in getattr(f, "parts", [f])]
     kinds = {f.kind for f in forms if getattr(f, "kind", None) in ("int4", "int8")}
     loads = {getattr(table.choose(PRODUCT, "cpu", kind).run, "warm_up", None) for kind in kinds} - {None}
     for load_kernel in loads:
         load_kernel(rows)
-    file_types = {f.type for f in forms if isinstance(f, FileBlocks)}
-    if file_types and _numba_ready():
-        for ggml_type in sorted(file_types):
-            _cpu_kernel("ggml_rows").warm_up(ggml_type)
+    if any(isinstance(f, FileBlocks) for f in forms) and _numba_ready():
+        _cpu_kernel("ggml_rows").warm_up()
 
 
 WEIGHTS = ("native", "f16", "f32")  # --weights choices

@@ -41,6 +41,7 @@ def adversarial(ggml_type: str, N: int, K: int, seed: int = 0) -> np.ndarray:
 
 
 def test_block_tables_are_ggmls():
+    assert sorted(ggml_rows.KINDS) == TYPES
     for t in TYPES:
         assert FILE_BLOCKS[t] == ggml_rows.TYPES[t] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]], t
 
