@@ -107,13 +107,28 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type):
         np.testing.assert_array_equal(o, outs[0])
 
 
+def iq4_nl_quantize(w: np.ndarray) -> np.ndarray:
+    """A plain IQ4_NL quantizer (gguf-py has none): each block of 32 scaled by its largest |w| / 127 onto the
+    codebook, each element its nearest entry -> (N, K / 32 * 18) bytes: f16 d, then 16 bytes of nibble pairs."""
+    N, K = w.shape
+    x = w.reshape(N, K // 32, 32).astype(np.float32)
+    d = (np.abs(x).max(-1) / 127).astype(np.float16)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        u = np.nan_to_num(x / d.astype(np.float32)[..., None])
+    q = np.abs(u[..., None] - ggml_rows.IQ4_VALUES).argmin(-1).astype(np.uint8)  # (N, K / 32, 32)
+    qs = q[..., :16] | q[..., 16:] << 4
+    return np.concatenate([d[..., None].view(np.uint8), qs], -1).reshape(N, -1)
+
+
 def _model(tmp_path, qtype: str, tied: bool = False):
-    """A tiny model with every matrix quantized to qtype by gguf-py; norms stay f32."""
+    """A tiny model with every matrix quantized to qtype by gguf-py (IQ4_NL, which it cannot quantize: by
+    iq4_nl_quantize); norms stay f32."""
     model = make_hf_model(n_layers=2, hidden=64, tied=tied, seed=3)
     path = write_gguf(model, tmp_path / "f32.gguf")
     g = open_gguf(path)
     q = gguf.GGMLQuantizationType[qtype]
-    raw = {n: (gguf.quants.quantize(read_tensor(g, n), q), q) for n, t in g.tensors.items() if len(t.shape) == 2}
+    quantize = iq4_nl_quantize if qtype == "IQ4_NL" else (lambda w: gguf.quants.quantize(w, q))
+    raw = {n: (quantize(read_tensor(g, n)), q) for n, t in g.tensors.items() if len(t.shape) == 2}
     return write_gguf(model, tmp_path / f"{qtype}.gguf", raw=raw)
 
 
@@ -128,11 +143,14 @@ def test_load_keeps_the_files_bytes_in_place(tmp_path):
     np.testing.assert_array_equal(form.dequantize().numpy(), read_tensor(g, "blk.0.ffn_down.weight"))
 
 
-@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1"])
+@pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "IQ4_NL", "Q8_0"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_tiny_model_in_file_blocks_equals_f32_weights(tmp_path, qtype, tied):
-    """Greedy tokens and logits of a tiny Q5_0 / Q5_1 model (the types no packed form takes) with native weights
-    equal --weights f32's: the same values, f32 products; the plan counts the resident bytes, the file's."""
+    """Greedy tokens and logits of a tiny model of each 32-element type no packed form takes (Q8_0 where the int8-dot
+    kernel does not run) with native weights equal --weights f32's: the same values, f32 products; the plan counts
+    the resident bytes, the file's. (The 256-element types: tests/test_kquant_fixtures.py's llama-quantize files.)"""
+    if resident_form(qtype, "native", "f32", "cpu") != qtype.lower():
+        pytest.skip(f"{qtype} is kept as {resident_form(qtype, 'native', 'f32', 'cpu')} here (tests/test_weights.py)")
     path = _model(tmp_path, qtype, tied)
     native = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32")
     exact = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32", weights="f32")
