@@ -15,7 +15,7 @@ from kvcli.llama import Llama
 from kvcli.sampler import Sampler
 from kvcli.shapes import weight_bytes
 from kvcli.weights import FILE_BLOCKS, FileBlocks, load, resident_form
-from tests.test_weights import runnable
+from tests.test_weights import assert_products_near_f64, runnable
 from tests.tiny import make_hf_model, write_gguf
 
 ggml_rows = pytest.importorskip("kvcli.kernels.cpu.ggml_rows")
@@ -76,15 +76,7 @@ def test_each_product_entry_equals_dequantized_f64(ggml_type, entry):
     N, K = 37, 2 * max(QK, 128)
     form = FileBlocks(adversarial(ggml_type, N, K, seed=1), ggml_type, K)
     w = torch.from_numpy(gguf.quants.dequantize(form.raw, gguf.GGMLQuantizationType[ggml_type])).double()
-    g = torch.Generator().manual_seed(7)
-    for M in ROW_COUNTS:
-        x = torch.randn(1, M, K, generator=g) * torch.logspace(-2, 2, K)
-        x[..., 32:64] = 0
-        got = entry.run(form, x)
-        assert got.shape == (1, M, N) and got.dtype == torch.float32
-        err = (got.double() - x.double() @ w.T).abs()
-        bound = 2.0**-18 * (x.double().abs() @ w.abs().T) + 1e-30
-        assert (err <= bound).all(), (entry.name, M, (err / bound).max().item())
+    assert_products_near_f64(entry, form, w, ROW_COUNTS, lambda x, w: 2.0**-18 * (x.double().abs() @ w.abs().T) + 1e-30)
 
 
 @pytest.mark.parametrize("ggml_type", ["Q5_0", "Q6_K", "IQ4_XS"])

@@ -165,16 +165,23 @@ def test_each_product_entry_equals_dequantized_f64(kind, entry):
     N, K = 200, 576
     runnable(entry)
     form = _adversarial_form(kind, N, K)
-    w = form.dequantize().double()
+    assert_products_near_f64(entry, form, form.dequantize().double(), ROW_COUNTS,
+                             lambda x, w: product_bound(entry, form, x, w))
+
+
+def assert_products_near_f64(entry: table.Entry, form, w: torch.Tensor, row_counts, bound) -> None:
+    """The entry's product of `form` (N, K) at each row count against x @ w.T in f64 (w the form's values), x (1, M, K)
+    with a zero block and columns of different scales, within bound(x, w) (1, M, N) per output."""
+    N, K = w.shape
     g = torch.Generator().manual_seed(7)
-    for M in ROW_COUNTS:
+    for M in row_counts:
         x = torch.randn(1, M, K, generator=g) * torch.logspace(-2, 2, K)
         x[..., 32:64] = 0
         got = entry.run(form, x)
         assert got.shape == (1, M, N) and got.dtype == torch.float32
         err = (got.double() - x.double() @ w.T).abs()
-        bound = product_bound(entry, form, x, w)
-        assert (err <= bound).all(), (entry.name, M, (err / bound).max().item())
+        b = bound(x, w)
+        assert (err <= b).all(), (entry.name, M, (err / b).max().item())
 
 
 @needs_int4
