@@ -21,7 +21,7 @@ from .compile import FAST, THREADED, available, jit, jit_threaded, numba
 
 if numba is not None:
     from .vectors import (dense_key_scores1, dense_key_scores2, dense_key_scores3, dense_key_scores4, to_f32,
-                          widen_bits, widen_nibbles, widen_q8_0)
+                          widen_bits, widen_nibbles, widen_q6_k, widen_q8_0)
 
 __all__ = ["KINDS", "TYPES", "available", "dequantize", "dequantize_ids", "matmul", "warm_up"]
 
@@ -158,19 +158,9 @@ def _q5_k(raw, t, o, buf, i, col, values):
 
 @_inlined
 def _q6_k(raw, t, o, buf, i, col, values):
-    """ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] int8 (one a 16 elements), d f16; w = d sc (q - 32).
-    In each half of 128, element l + 32 q takes ql's byte l (q even) or l + 32 (odd), its low nibble for q < 2, and
-    bits 2q, 2q + 1 of qh's byte l."""
-    r = raw[t]
-    d = _f16(r, o + 208)
-    for half in range(2):
-        ql, qh, sc = o + 64 * half, o + 128 + 32 * half, o + 192 + 8 * half
-        for q in range(4):
-            for g in range(2):
-                s = np.int32(r[sc + 2 * q + g])
-                dl = d * np.float32(s - ((s >> 7) << 8))
-                widen_bits(raw, t, ql + 16 * g + 32 * (q & 1), 4 * (q >> 1), 15, qh + 16 * g, 2 * q, 3, 4, buf, i,
-                           col + 128 * half + 32 * q + 16 * g, dl, np.float32(-32) * dl)
+    """ql[128] (low 4 bits), qh[64] (high 2 bits), scales[16] int8 (one a 16 elements), d f16; w = d sc (q - 32)
+    (vectors.widen_q6_k: the codes made 32 at a time in byte lanes)."""
+    widen_q6_k(raw, t, o, buf, i, col, _f16(raw[t], o + 208))
 
 
 @_inlined

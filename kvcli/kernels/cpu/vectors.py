@@ -513,6 +513,58 @@ if numba is not None:
             rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m)
 
 
+def widen_q6_k(rows, t, o, buf, bt, bcol, d):
+    """Compiled only: buf[bt, bcol : bcol + 256] = the Q6_K super-block at byte o of rows[t] (rows (n, row_bytes)
+    uint8, buf (n', D) f32; d its f16 scale as f32): ql[128], qh[64], scales[16] int8; element l + 32 q of a half of
+    128 is (ql[l + 32 (q & 1)] >> 4 (q >> 1)) & 15 | ((qh[l] >> 2 q) & 3) << 4, less 32, times d sc[its 16]. The
+    codes are made in byte lanes (32 at a time: a register's worth), each 16 widened to f32 once, times d sc."""
+    raise NotImplementedError
+
+
+if numba is not None:
+
+    def _q6_k_codegen(context, builder, sig, args):
+        i8, i32, i64 = ir.IntType(8), ir.IntType(32), ir.IntType(64)
+        rows, buf = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 3))
+        t, o, bt, bcol, d = args[1], args[2], args[4], args[5], args[6]
+        v32, v8, v16f, v16i = ir.VectorType(i8, 32), ir.VectorType(i8, 8), ir.VectorType(_F32, 16), ir.VectorType(i32, 16)
+        base = builder.add(ir_at(builder, rows, t), o)
+        out = builder.add(ir_at(builder, buf, bt), builder.mul(bcol, ir.Constant(i64, 4)))
+
+        def load(at, ty):
+            return builder.load(builder.inttoptr(builder.add(base, ir.Constant(i64, at)), ty.as_pointer()), align=1)
+
+        def b(v):
+            return ir.Constant(v32, [v] * 32)
+
+        dv = builder.insert_element(ir.Constant(v16f, None), d, ir.Constant(i32, 0))
+        for half in range(2):
+            ql0, ql1, qh = load(64 * half, v32), load(64 * half + 32, v32), load(128 + 32 * half, v32)
+            # d sc for the half's 8 groups of 16 (the f32 products ggml's d * sc makes, exact)
+            scales = builder.fmul(builder.sitofp(builder.sext(load(192 + 8 * half, v8), ir.VectorType(i32, 8)),
+                                                 ir.VectorType(_F32, 8)),
+                                  builder.shuffle_vector(dv, dv, ir.Constant(ir.VectorType(i32, 8), [0] * 8)))
+            for q in range(4):
+                low = ql0 if q % 2 == 0 else ql1
+                low = builder.and_(low, b(15)) if q < 2 else builder.lshr(low, b(4))
+                high = builder.shl(builder.and_(builder.lshr(qh, b(2 * q)), b(3)), b(4))
+                codes = builder.sub(builder.or_(low, high), b(32))  # -32..31 in byte lanes
+                for g in range(2):
+                    part = builder.shuffle_vector(codes, codes, ir.Constant(v16i, list(range(16 * g, 16 * g + 16))))
+                    ds = builder.extract_element(scales, ir.Constant(i32, 2 * q + g))
+                    dsv = builder.insert_element(ir.Constant(v16f, None), ds, ir.Constant(i32, 0))
+                    dsv = builder.shuffle_vector(dsv, dsv, ir.Constant(v16i, [0] * 16))
+                    vals = builder.fmul(dsv, builder.sitofp(builder.sext(part, v16i), v16f))
+                    at = builder.add(out, ir.Constant(i64, 4 * (128 * half + 32 * q + 16 * g)))
+                    builder.store(vals, builder.inttoptr(at, v16f.as_pointer()), align=4)
+        return context.get_dummy_value()
+
+    @intrinsic
+    def widen_q6_k(typingctx, rows, t, o, buf, bt, bcol, d):
+        i = types.int64
+        return types.none(rows, i, i, buf, i, i, types.float32), _q6_k_codegen
+
+
 def dense_key_scores(kc, n, q, g0, s, scale, pf, at, npf):
     """Compiled only (dense_key_scores1..4, a group of 1-4 query heads g0..): s[g0 + g, t] = scale (q[g0 + g] . kc[t])
     for t < n, kc (n', D) a chunk of key rows as they lie (f32, f16 bits as uint16, bf16 bits as int16), q (G, D)
