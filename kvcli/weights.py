@@ -9,7 +9,9 @@ Each form holds one matrix W (N, K) (torch order: N outputs, K inputs) and offer
 Forms (chosen per tensor by `resident_form`, from its GGUF type), each with a `kind`, its key in the kernel table:
   Int4  Q4_0 / Q4_1 / Q4_K: 4-bit codes with a per-32 scale and zero point, in torch's packed
         layout for its int4 weight-only GEMM (kvcli/kernels/cpu/int4_tiles.py): W = (q - 8) d + z.
-  Int8  Q8_0: int8 codes (N, K) and the f16 block scales (N, K / 32): W = d q.
+  Int8  Q8_0 where the AVX512-VNNI kernel runs: int8 codes (N, K) and the f16 block scales (N, K / 32): W = d q.
+  FileBlocks (CPU) the other ggml types of FILE_BLOCKS (Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, Q8_0 elsewhere): the
+        file's own blocks, a view of the memory map, decoded where multiplied (kvcli/kernels/cpu/ggml_rows.py).
   Blocks (CUDA) the same types as blocks of 32 in ggml's order with f16 scale and min, for the Triton
         decode kernel (kvcli/kernels/gpu/weights.py): int4_cuda (Q4_*) and int8_cuda (Q8_0).
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor (its own product, no kernel).
