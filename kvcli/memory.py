@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import mmap
 
@@ -14,14 +15,22 @@ WORKING_BYTES = 256 * MIB
 
 
 def return_freed_memory() -> None:
-    """glibc keeps freed heap pages (a load's temporaries, the tokenizer's work on a whole text) in
-    the process; hand them back so they do not add to the peak. A no-op elsewhere."""
+    """glibc keeps freed heap pages (a load's temporaries, the tokenizer's work on a whole text, a long input's
+    batches) in the process; hand them back so they do not add to the peak. A no-op elsewhere."""
+    trim = _malloc_trim()
+    if trim is not None:
+        trim(0)
+
+
+@functools.cache
+def _malloc_trim():
+    """glibc's malloc_trim, looked up once (it runs between a long input's batches), or None."""
     import ctypes
 
     try:
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return ctypes.CDLL("libc.so.6").malloc_trim
     except (OSError, AttributeError):  # not glibc
-        pass
+        return None
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu"):

@@ -567,11 +567,8 @@ def cat(forms: list):
 
 # ---- from the GGUF file ----
 
-# ggml types kept in their own blocks on the CPU (FileBlocks): (elements, bytes) a block, ggml-common.h's (the tests
-# check them against gguf-py's GGML_QUANT_SIZES and kvcli/kernels/cpu/ggml_rows.py's TYPES)
-FILE_BLOCKS = {"Q4_0": (32, 18), "Q4_1": (32, 20), "Q5_0": (32, 22), "Q5_1": (32, 24), "Q8_0": (32, 34),
-               "Q2_K": (256, 84), "Q3_K": (256, 110), "Q4_K": (256, 144), "Q5_K": (256, 176), "Q6_K": (256, 210),
-               "IQ4_NL": (32, 18), "IQ4_XS": (256, 136)}
+# ggml types kept in their own blocks on the CPU (FileBlocks); their sizes are gguf-py's GGML_QUANT_SIZES
+FILE_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
 def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
@@ -607,7 +604,9 @@ def resident_bytes(form: str, n: int, k: int) -> int:
     if form == "int8_cuda":  # codes, f16 scale
         return n * k + n * (k // GROUP) * 2
     if form.upper() in FILE_BLOCKS:  # the file's own blocks
-        elements, block_bytes = FILE_BLOCKS[form.upper()]
+        import gguf
+
+        elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[form.upper()]]
         return n * k // elements * block_bytes
     return n * k * _DENSE[form].itemsize
 

@@ -29,7 +29,7 @@ ROW_COUNTS = (1, 4, 8, 16, 17, 33, 512)  # the kernel's groups of 4, its last ro
 def adversarial(ggml_type: str, N: int, K: int, seed: int = 0) -> np.ndarray:
     """(N, K / QK * bytes) uint8 blocks: random codes and sub-scales (every bit pattern), f16 scales from 6e-8
     (subnormal) to 1e3, negative and zero ones, and whole rows of all-zero and all-one code bytes."""
-    QK, B = FILE_BLOCKS[ggml_type]
+    QK, B = ggml_rows.TYPES[ggml_type]
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (N, K // QK, B), dtype=np.uint8)
     raw[0], raw[1] = 255, 0
@@ -43,14 +43,14 @@ def adversarial(ggml_type: str, N: int, K: int, seed: int = 0) -> np.ndarray:
 def test_block_tables_are_ggmls():
     assert sorted(ggml_rows.KINDS) == TYPES
     for t in TYPES:
-        assert FILE_BLOCKS[t] == ggml_rows.TYPES[t] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]], t
+        assert ggml_rows.TYPES[t] == gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[t]], t
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_decoders_equal_gguf_py(ggml_type):
     """Each type's decoder (its LLVM-vector form where it has one) gives gguf-py's values bit for bit, whole and
     for rows picked out of order (the embedding's)."""
-    QK, _ = FILE_BLOCKS[ggml_type]
+    QK, _ = ggml_rows.TYPES[ggml_type]
     N, K = 6, 3 * max(QK, 64)
     raw = adversarial(ggml_type, N, K)
     want = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType[ggml_type])
@@ -72,7 +72,7 @@ def test_each_product_entry_equals_dequantized_f64(ggml_type, entry):
     """x W.T against W = gguf-py's values times x in f64 at every path's row counts, x with a zero block and columns
     of different scales: f32 arithmetic, so within 2^-18 of sum |x| |w| per output."""
     runnable(entry)
-    QK, _ = FILE_BLOCKS[ggml_type]
+    QK, _ = ggml_rows.TYPES[ggml_type]
     N, K = 37, 2 * max(QK, 128)
     form = FileBlocks(adversarial(ggml_type, N, K, seed=1), ggml_type, K)
     w = torch.from_numpy(gguf.quants.dequantize(form.raw, gguf.GGMLQuantizationType[ggml_type])).double()
@@ -83,7 +83,7 @@ def test_each_product_entry_equals_dequantized_f64(ggml_type, entry):
 def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type):
     """Decode's rows: a row's product alone equals the same row beside 3 others and at -t 1 and -t 2, bit for bit
     (the server's slots, and a sequence's answer at any thread count)."""
-    QK, _ = FILE_BLOCKS[ggml_type]
+    QK, _ = ggml_rows.TYPES[ggml_type]
     K = 2 * max(QK, 128)
     raw = adversarial(ggml_type, 203, K, seed=2)
     x = np.random.default_rng(3).standard_normal((4, K)).astype(np.float32)

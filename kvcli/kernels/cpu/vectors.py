@@ -503,14 +503,9 @@ if numba is not None:
         return context.get_dummy_value()
 
     @intrinsic
-    def _widen_bits(typingctx, rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m):
+    def widen_bits(typingctx, rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m):
         i = types.int64
         return types.none(rows, i, i, i, i, i, i, i, i, buf, i, i, types.float32, types.float32), _bits_codegen
-
-    @overload(widen_bits)
-    def _widen_bits_overload(rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m):
-        return lambda rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m: _widen_bits(
-            rows, t, col, shift, mask, hcol, hshift, hmask, hpos, buf, bt, bcol, d, m)
 
 
 def widen_q6_k(rows, t, o, buf, bt, bcol, d):
