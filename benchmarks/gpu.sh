@@ -11,11 +11,16 @@
 # comparable; section 4 sets native (4-bit blocks, the Triton GEMV) beside f16.
 set -euo pipefail
 cd "$(dirname "$0")/.."
-# kvcli is not installed there: lay the import tree the distribution installs (kernels/ and convert/
-# as kvcli.kernels and kvcli.convert) out of symlinks, and put it on the path.
+# kvcli is not installed there: lay the import tree the distribution installs (convert/ as
+# kvcli.convert) out of symlinks, and put it on the path. gguf-py is not in that machine's image:
+# where .whl/ holds its wheel (carried), it is installed to /tmp/site first.
 STAGE=$(mktemp -d); mkdir "$STAGE/kvcli"
 for f in "$PWD"/kvcli/*; do ln -s "$f" "$STAGE/kvcli/"; done
-ln -s "$PWD/kernels" "$STAGE/kvcli/kernels"; ln -s "$PWD/convert" "$STAGE/kvcli/convert"
+ln -s "$PWD/convert" "$STAGE/kvcli/convert"
+if ! python3 -c "import gguf" 2>/dev/null && ls .whl/gguf-*.whl >/dev/null 2>&1; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --target /tmp/site .whl/*.whl
+  STAGE="$STAGE:/tmp/site"
+fi
 export PYTHONUNBUFFERED=1 PYTHONPATH="$STAGE${PYTHONPATH:+:$PYTHONPATH}"
 MODE=${1:-full}
 case "$MODE" in full|quick|weights|dry) ;; *) echo "usage: bash benchmarks/gpu.sh [quick|weights|dry]" >&2; exit 2;; esac

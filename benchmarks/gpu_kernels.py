@@ -150,6 +150,7 @@ def main() -> int:
     ap.add_argument("--types", nargs="+", default=["f16", "q8_0", "q4_0", "q4_hadamard", "tq4", "tq3", "tq2"])
     ap.add_argument("--window-types", nargs="*", default=["q8_0", "q4_hadamard", "tq3"],
                     help=f"types timed again with a {WINDOW}-position recent window read by the kernel")
+    ap.add_argument("--check-types", nargs="*", help="the kernel types checked (default: every type a kernel reads)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: this script is for a GPU machine")
@@ -158,7 +159,7 @@ def main() -> int:
     from kvcli.cache import STORAGE_TYPES
 
     kernel_types = [n for n, cls in STORAGE_TYPES.items() if cls(1, 1, 1, 1, D).kernel_layout() is not None]
-    ok = True if args.no_check else check(kernel_types)
+    ok = True if args.no_check else check(args.check_types or kernel_types)
     bench(args.types, args.depths, args.window_types)
     print(f"\n{'all checks passed' if ok else 'SOME CHECKS FAILED'} ({time.time() - t0:.0f} s)")
     return 0 if ok else 1

@@ -82,6 +82,12 @@ def _unpack_high_bits(qh: torch.Tensor) -> torch.Tensor:
     return bits.reshape(*qh.shape[:-1], 32)
 
 
+def _div(a: torch.Tensor, c: float) -> torch.Tensor:
+    """a / c rounded as C's division on every device: CUDA torch multiplies by the reciprocal of a Python-scalar
+    divisor, one ulp off for c = 15, 31 or 127 (a device scalar takes the IEEE division)."""
+    return a / torch.tensor(float(c), dtype=a.dtype, device=a.device) if a.is_cuda else a / c
+
+
 def _inverse(d: torch.Tensor) -> torch.Tensor:
     """ggml's `id = d ? 1.0f/d : 0.0f`."""
     return torch.where(d == 0, 0.0, 1.0 / d)
@@ -95,7 +101,7 @@ def _signed_absmax(x: torch.Tensor) -> torch.Tensor:
 def _symmetric_codes(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Tensor]:
     """q4_0 / q5_0 (quantize_row_q{4,5}_0_ref), levels 16 / 32: d = signed absmax / -(levels / 2),
     q = min(levels - 1, (int8)(x / d + levels / 2 + 0.5)). -> d (..., 1) f32, q (..., 32) uint8."""
-    d = _signed_absmax(x) / -(levels // 2)
+    d = _div(_signed_absmax(x), -(levels // 2))
     return d, (x * _inverse(d) + (levels // 2 + 0.5)).clamp_(0, levels - 1).to(torch.uint8)
 
 
@@ -103,7 +109,7 @@ def _min_max_codes(x: torch.Tensor, levels: int) -> tuple[torch.Tensor, torch.Te
     """q4_1 / q5_1 (quantize_row_q{4,5}_1_ref), levels 16 / 32: d = (max - min) / (levels - 1),
     q = (x - min) / d + 0.5, clipped as gguf-py. -> d, min (..., 1) f32, q (..., 32) uint8."""
     lo, hi = x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)
-    d = (hi - lo) / (levels - 1)
+    d = _div(hi - lo, levels - 1)
     return d, lo, ((x - lo) * _inverse(d) + 0.5).clamp_(0, levels - 1).to(torch.uint8)
 
 
@@ -191,7 +197,7 @@ class Q8_0Store(GgmlBlockStore):
 
     @staticmethod
     def quantize_blocks(x):
-        d = x.abs().amax(dim=-1, keepdim=True) / 127  # quantize_row_q8_0_ref: qs = roundf(x / d)
+        d = _div(x.abs().amax(dim=-1, keepdim=True), 127)  # quantize_row_q8_0_ref: qs = roundf(x / d)
         q = _round_to_int8(x * _inverse(d)).view(torch.uint8)
         return torch.cat([_f16_bytes(d), q], dim=-1)
 
@@ -280,7 +286,7 @@ class IQ4_NLStore(GgmlBlockStore):
         values = torch.tensor(KVALUES_IQ4NL, dtype=torch.float32, device=x.device)
         mx = _signed_absmax(x)
         live = mx.abs() >= GROUP_MAX_EPS  # (..., 1)
-        al = (x * torch.where(live, 1.0 / (mx / -127), 0.0)).contiguous()  # x's strides otherwise: bucketize copies
+        al = (x * torch.where(live, 1.0 / _div(mx, -127), 0.0)).contiguous()  # x's strides otherwise: bucketize copies
         # best_index_int8: the bracketing pair by binary search, the nearer wins, ties go up
         hi = torch.bucketize(al, values, right=True).clamp_(1, 15)
         lo = hi - 1

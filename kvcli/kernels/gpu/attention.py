@@ -281,6 +281,12 @@ def _store_args(st: StoreTensors):
     return (data, data16, data.stride(0), data.stride(1), data.stride(2)) + unused
 
 
+# Tiles are loaded unpipelined (num_stages=1). On an H200 at D = 128, Triton's default 3 stages ran tq out of shared
+# memory (264 KiB asked, 227 the limit); with one stage tq4 read a 32k cache in 0.42 ms, against 2.71 ms for f16
+# and 4.38 for q4_hadamard with three (benchmarks/README.md, GPU): one stage for every type, to be timed again.
+NUM_STAGES = 1
+
+
 def _constexprs(p: str, layout) -> dict:
     """One store's layout constants as the kernel's constexpr arguments, p = "K" (KK, KBB, ...) or "V"."""
     return {p + "K": layout.kind, p + "BB": layout.block_bytes, p + "DO": layout.d_offset, p + "MO": layout.m_offset,
@@ -351,7 +357,8 @@ def attend_kernel(q: torch.Tensor, k: StoreTensors, v: StoreTensors, pos: int, n
                        o, ml, Hkv, M, G, pos, n_keys, split_len, S, wk, wv, *w_args, qb, tb,
                        **_constexprs("K", k.layout), **_constexprs("V", v.layout), WINDOW=window is not None,
                        KEY_BIAS=key_bias is not None,
-                       D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4)
+                       D=D, DP=DP, BLOCK_M=block_m, BLOCK_N=block_n, num_warps=4,
+                       num_stages=NUM_STAGES)
     if S == 1:
         out = o[:, :, 0]
     else:
