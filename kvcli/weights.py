@@ -624,6 +624,24 @@ def _blocks(tensor) -> np.ndarray:
     return np.asarray(tensor.data).reshape(-1).view(np.dtype(_RECORDS[tensor.tensor_type.name])).reshape(n, -1)
 
 
+# Byte offsets of the f16 fields (d, and m or dmin) in each FileBlocks type's block (ggml-common.h).
+F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0": (0,), "Q2_K": (80, 82),
+               "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
+
+
+def _check_file_scales(name: str, raw: np.ndarray, ggml_type: str) -> None:
+    """Refuse a FileBlocks tensor with a NaN/Inf f16 field: its exponent bits all ones (bits 2-6 of the high byte),
+    read in place from the map (no copy of the blocks)."""
+    import gguf
+
+    block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
+    blocks = raw.reshape(-1, block_bytes)
+    if any(((blocks[:, at + 1] & 0x7C) == 0x7C).any() for at in F16_FIELDS[ggml_type]):
+        from kvcli.errors import KvcliError
+
+        raise KvcliError(f"tensor {name} holds NaN/Inf block scales; the model file is corrupt")
+
+
 def _check_finite(name: str, *scales: torch.Tensor) -> None:
     from kvcli.errors import KvcliError
 
@@ -719,7 +737,9 @@ def load(tensor, form: str, dtype: str = "f32"):
                                     d[s : s + SLAB_ROWS]) for s in range(0, len(b), SLAB_ROWS)])
     n, k = (int(np.prod([int(s) for s in tensor.shape[1:]])), int(tensor.shape[0]))
     if form.upper() in FILE_BLOCKS:  # the memory map's bytes as they lie: no copy, nothing decoded
-        return FileBlocks(np.asarray(tensor.data).reshape(n, -1), tensor.tensor_type.name, k)
+        raw = np.asarray(tensor.data).reshape(n, -1)
+        _check_file_scales(tensor.name, raw, tensor.tensor_type.name)
+        return FileBlocks(raw, tensor.tensor_type.name, k)
     w = torch.empty(n, k, dtype=_DENSE[form])
     for s in range(0, n, SLAB_ROWS):  # a slab of rows in f32 at a time: peak = the result plus one slab
         w[s : s + SLAB_ROWS] = torch.from_numpy(dequantize(tensor, s, s + SLAB_ROWS))

@@ -14,15 +14,13 @@ from kvcli.kernel_table import PRODUCT, ROWS
 from kvcli.llama import Llama
 from kvcli.sampler import Sampler
 from kvcli.shapes import weight_bytes
-from kvcli.weights import FILE_BLOCKS, FileBlocks, load, resident_form
+from kvcli.errors import KvcliError
+from kvcli.weights import F16_FIELDS, FILE_BLOCKS, FileBlocks, _check_file_scales, load, resident_form
 from tests.test_weights import assert_products_near_f64, runnable
 from tests.tiny import make_hf_model, write_gguf
 
 ggml_rows = pytest.importorskip("kvcli.kernels.cpu.ggml_rows")
 TYPES = sorted(FILE_BLOCKS)
-# each type's f16 fields (scales, mins) by byte offset in its block, ggml-common.h's
-F16_FIELDS = {"Q4_0": [0], "Q4_1": [0, 2], "Q5_0": [0], "Q5_1": [0, 2], "Q8_0": [0], "Q2_K": [80, 82],
-              "Q3_K": [108], "Q4_K": [0, 2], "Q5_K": [0, 2], "Q6_K": [208], "IQ4_NL": [0], "IQ4_XS": [0]}
 ROW_COUNTS = (1, 4, 8, 16, 17, 33, 512)  # the kernel's groups of 4, its last row count, the slabs' GEMM
 
 
@@ -38,6 +36,19 @@ def adversarial(ggml_type: str, N: int, K: int, seed: int = 0) -> np.ndarray:
         d[2, 0], d[3, -1] = 0, 6e-8
         raw[..., o : o + 2] = d.astype(np.float16)[..., None].view(np.uint8)
     return raw.reshape(N, -1)
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_a_nan_or_inf_scale_is_refused_at_load(ggml_type):
+    raw = adversarial(ggml_type, 8, 512)
+    _check_file_scales("w", raw, ggml_type)  # finite (subnormal, zero, negative) scales pass
+    QK, B = ggml_rows.TYPES[ggml_type]
+    for at in F16_FIELDS[ggml_type]:
+        for bad in (np.inf, -np.inf, np.nan):
+            hostile = raw.copy().reshape(8, -1, B)
+            hostile[5, -1, at : at + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
+            with pytest.raises(KvcliError, match="tensor w holds NaN/Inf block scales"):
+                _check_file_scales("w", hostile.reshape(8, -1), ggml_type)
 
 
 def test_block_tables_are_ggmls():
