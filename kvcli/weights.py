@@ -35,7 +35,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli import kernel_table as table
-from kvcli.kernel_table import AVX512, BF16, NORM, PRODUCT, ROWS, Entry
+from kvcli.kernel_table import AVX2, AVX512, BF16, NORM, PRODUCT, ROWS, Entry
 from kvcli.kernels.cpu.int4_tiles import GROUP, pack_pairs, tile_width, unpack_pairs
 
 # Rows up to which a FileBlocks product runs on the blocks (a slab of rows decoded for every row of x); a larger batch
@@ -70,8 +70,11 @@ def warm_up(model, rows: int) -> None:
     loads = {getattr(table.choose(PRODUCT, "cpu", kind).run, "warm_up", None) for kind in kinds} - {None}
     for load_kernel in loads:
         load_kernel(rows)
-    if any(isinstance(f, FileBlocks) for f in forms) and _numba_ready():
+    file_types = {f.type for f in forms if isinstance(f, FileBlocks)}
+    if file_types and _numba_ready():
         _cpu_kernel("ggml_rows").warm_up()
+        if any(table.choose(PRODUCT, "cpu", "ggml", ggml_type=t).run is _file_blocks_dot for t in file_types):
+            _cpu_kernel("ggml_dot").warm_up()
 
 
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
@@ -448,7 +451,7 @@ class FileBlocks:
     def matmul(self, x: torch.Tensor) -> torch.Tensor:
         run = self.product
         if run is None:
-            run = self.product = table.choose(PRODUCT, "cpu", self.kind).run
+            run = self.product = table.choose(PRODUCT, "cpu", self.kind, ggml_type=self.type).run
         return run(self, x)
 
     def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
@@ -575,18 +578,21 @@ def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
     """The form a matrix of `ggml_type` is kept in: 'int4', 'int8' (CPU), 'int4_cuda', 'int8_cuda'
     (CUDA: Blocks), the type's name in lower case (CPU: FileBlocks, the file's own bytes), or a dense dtype name.
 
-    weights: native (packed where torch's CPU kernel or the Triton kernel fits: Q8_0 only where the int8-dot kernel
-    runs, which beats the blocks' product, torch's GEMV does not; the file's blocks for the other types FILE_BLOCKS
-    lists; else dense at the compute dtype), f16, f32."""
+    weights: native (on the CPU: Q4_0, Q4_1, Q4_K and Q8_0 as int4 / int8 tiles where the AVX512-VNNI kernel runs,
+    which beat the blocks' products there (Qwen's Q8_0 head 1.8x); else the file's blocks where the AVX2 byte-product
+    kernel takes the type (1.3x torch's int4 GEMV on SmolLM2's Q4_1), else int4 tiles for torch's GEMV; the other
+    types FILE_BLOCKS lists in the file's blocks; CUDA: Blocks for the Triton kernel; else dense at the compute
+    dtype), f16, f32."""
     if weights != "native":
         return weights
     if device == "cuda" and ggml_type in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
         return "int8_cuda" if ggml_type == "Q8_0" else "int4_cuda"
-    if device == "cpu" and tile_width() is not None:
-        if ggml_type in ("Q4_0", "Q4_1", "Q4_K"):
-            return "int4"
-        if ggml_type == "Q8_0" and table.choose(PRODUCT, "cpu", "int8").run is _int8_avx512:
-            return "int8"  # the int8-dot kernel ran Qwen's head 1.8x faster than the blocks' product
+    if device == "cpu" and tile_width() is not None and ggml_type in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
+        tiles = "int8" if ggml_type == "Q8_0" else "int4"
+        if table.choose(PRODUCT, "cpu", tiles).run in (_int4_avx512, _int8_avx512):
+            return tiles
+        if ggml_type != "Q8_0" and table.choose(PRODUCT, "cpu", "ggml", ggml_type=ggml_type).run is not _file_blocks_dot:
+            return tiles
     if device == "cpu" and ggml_type in FILE_BLOCKS:
         return ggml_type.lower()
     return dtype
@@ -812,6 +818,19 @@ def _file_blocks_numba(form: FileBlocks, x: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
 
 
+def _file_blocks_dot(form: FileBlocks, x: torch.Tensor) -> torch.Tensor:
+    """Up to FILE_GEMV_ROWS rows by integer byte products on the blocks (ggml_dot.matmul), a batch by f32 slabs + GEMM."""
+    rows = _rows(x)
+    if rows > FILE_GEMV_ROWS:
+        return _file_slab_products(form, x, lambda start, stop: _file_slab(form, start, stop))
+    y = _cpu_kernel("ggml_dot").matmul(form.type, form.raw, x.reshape(rows, form.k).contiguous().numpy())
+    return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
+
+
+def _dot_types() -> tuple[str, ...]:
+    return _cpu_kernel("vectors").DOT_TYPES if _numba_ready() else ()
+
+
 def _int4_batch(form: Int4, x: torch.Tensor, rows: int) -> torch.Tensor | None:
     """A batch's product by slabs: f32 above int4_gemv_rows(), bf16 from BF16_ROWS where the CPU multiplies bf16 in
     hardware; None for fewer rows (the packed codes' product)."""
@@ -929,6 +948,8 @@ _VNNI = "kvcli/kernels/cpu/weights.py (AVX512-VNNI byte dots) to 8 rows, "
 # The CPU products' arithmetic against the reference's f32 slabs (Entry.tol): bf16 activations, outputs and scales
 # (torch's int4 GEMV, bf16 slabs, Int8's parts), relative to the output's scale.
 BF16_TOL = 1e-2
+# 15-bit activations (the byte-product kernels): x within 2^-16 of its 32-column block's largest |x|
+DOT_TOL = 1e-4
 for _entry in (
     Entry(PRODUCT, "cpu", frozenset({"int4"}), _VNNI + "torch's int4 GEMV, then slabs + GEMM", _int4_avx512,
           isa=AVX512, ready=_vnni_ready, tol=BF16_TOL,
@@ -941,6 +962,10 @@ for _entry in (
     Entry(PRODUCT, "cpu", frozenset({"int8"}), "kvcli/weights.py: torch's int4 GEMV a part, then f32 slabs + GEMM",
           _int8_portable, ready=_int4_tiles_ready, tol=BF16_TOL,
           why="the packed codes read as they lie, with no kernel of kvcli's"),
+    Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_dot.py (AVX2 byte products, 15-bit "
+          "activations) to FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_dot, isa=AVX2,
+          covers=lambda ggml_type=None, **_: ggml_type in _dot_types(), ready=_numba_ready, tol=DOT_TOL,
+          why="decode's rows on the codes, 32 a product in byte lanes (the slab kernel widens each to f32)"),
     Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors) to "
           "FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_numba, ready=_numba_ready,
           why="the file's blocks decoded a slab of rows at a time, in the core's cache, for every row of x"),
@@ -980,7 +1005,8 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # Each form kind, the device its form lives on, and what it is.
-_KINDS = (("int4", "cpu", "Q4_0 / Q4_1 / Q4_K on CPU"), ("int8", "cpu", "Q8_0 on CPU"),
+_KINDS = (("int4", "cpu", "Q4_0 / Q4_1 / Q4_K on CPU with AVX512-VNNI, or without AVX2"),
+          ("int8", "cpu", "Q8_0 on CPU with AVX512-VNNI"),
           ("ggml", "cpu", "the other ggml types on CPU, in the file's blocks"),
           ("int4_cuda", "cuda", "Q4_* on CUDA"), ("int8_cuda", "cuda", "Q8_0 on CUDA"))
 
@@ -1002,7 +1028,11 @@ def kernel_lines() -> list[str]:
 
     for kind, device, what in _KINDS:
         here = "" if device == "cpu" or torch.cuda.is_available() else ", no CUDA device here"
-        role(f"{kind} product ({what}{here})", PRODUCT, device, kind)
+        if kind == "ggml":  # chosen per type: the byte-product kernel covers some
+            for t in ("Q4_K", "IQ4_XS"):
+                role(f"{kind} product ({t})", PRODUCT, device, kind, ggml_type=t)
+        else:
+            role(f"{kind} product ({what}{here})", PRODUCT, device, kind)
         if any(kind in e.keys for e in table.entries(ROWS)):
             for dtype in (torch.bfloat16, torch.float32):
                 role(f"{kind} {str(dtype).removeprefix('torch.')} slabs", ROWS, device, kind, dtype=dtype)

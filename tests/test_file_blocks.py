@@ -3,6 +3,8 @@ decoder against gguf-py's dequantization on adversarial blocks, every PRODUCT en
 dequantize-then-matmul in f64 at decode and prompt row counts, the bits alone and in a batch and at any thread count,
 the load as a view of the memory map, tiny models of each type gguf-py quantizes against --weights f32."""
 
+import importlib
+
 import gguf
 import numpy as np
 import pytest
@@ -15,7 +17,7 @@ from kvcli.llama import Llama
 from kvcli.sampler import Sampler
 from kvcli.shapes import weight_bytes
 from kvcli.errors import KvcliError
-from kvcli.weights import F16_FIELDS, FILE_BLOCKS, FileBlocks, _check_file_scales, load, resident_form
+from kvcli.weights import DOT_TOL, F16_FIELDS, FILE_BLOCKS, FileBlocks, _check_file_scales, load, resident_form
 from tests.test_weights import assert_products_near_f64, runnable
 from tests.tiny import make_hf_model, write_gguf
 
@@ -83,17 +85,41 @@ def test_each_product_entry_equals_dequantized_f64(ggml_type, entry):
     """x W.T against W = gguf-py's values times x in f64 at every path's row counts, x with a zero block and columns
     of different scales: f32 arithmetic, so within 2^-18 of sum |x| |w| per output."""
     runnable(entry)
+    if not entry.covers(ggml_type=ggml_type):
+        pytest.skip(f"{entry.name}: not for {ggml_type}")
     QK, _ = ggml_rows.TYPES[ggml_type]
     N, K = 37, 2 * max(QK, 128)
     form = FileBlocks(adversarial(ggml_type, N, K, seed=1), ggml_type, K)
     w = torch.from_numpy(gguf.quants.dequantize(form.raw, gguf.GGMLQuantizationType[ggml_type])).double()
-    assert_products_near_f64(entry, form, w, ROW_COUNTS, lambda x, w: 2.0**-18 * (x.double().abs() @ w.abs().T) + 1e-30)
+    assert_products_near_f64(entry, form, w, ROW_COUNTS, lambda x, w: product_bound(entry, x, w))
 
 
-@pytest.mark.parametrize("ggml_type", ["Q5_0", "Q6_K", "IQ4_XS"])
-def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type):
+def product_bound(entry, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """f32 arithmetic: 2^-18 of sum |x| |w| per output; the byte-product kernel's 15-bit x (Entry.tol DOT_TOL) adds,
+    per 32-column block, its largest |x| / 64770 (half a step of 32385) times the block's sum of |w|."""
+    xa = x.double().abs()
+    bound = 2.0**-18 * (xa @ w.abs().T) + 1e-30
+    if entry.tol == DOT_TOL:
+        bmax = xa.unflatten(-1, (-1, 32)).amax(-1, keepdim=True).expand(*xa.shape[:-1], -1, 32).flatten(-2)
+        bound = bound + (bmax / 64770) @ w.abs().T
+    return bound
+
+
+def decode_kernels() -> list:
+    """The decode kernels this machine runs: the f32 slabs, and the byte products where the CPU has AVX2."""
+    dot = [pytest.param("ggml_dot", id="ggml_dot")] if table.has(table.AVX2) else \
+        [pytest.param("ggml_dot", marks=pytest.mark.skip(reason="ggml_dot needs AVX2"), id="ggml_dot")]
+    return [pytest.param("ggml_rows", id="ggml_rows")] + dot
+
+
+@pytest.mark.parametrize("kernel", decode_kernels())
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q5_0", "Q6_K", "IQ4_XS"])
+def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type, kernel):
     """Decode's rows: a row's product alone equals the same row beside 3 others and at -t 1 and -t 2, bit for bit
     (the server's slots, and a sequence's answer at any thread count)."""
+    module = importlib.import_module(f"kvcli.kernels.cpu.{kernel}")
+    if kernel == "ggml_dot" and ggml_type not in module.DOT_TYPES:
+        pytest.skip(f"{kernel} does not take {ggml_type}")
     QK, _ = ggml_rows.TYPES[ggml_type]
     K = 2 * max(QK, 128)
     raw = adversarial(ggml_type, 203, K, seed=2)
@@ -103,7 +129,7 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type):
         outs = []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs += [ggml_rows.matmul(ggml_type, raw, x[:1].copy())[0], ggml_rows.matmul(ggml_type, raw, x)[0]]
+            outs += [module.matmul(ggml_type, raw, x[:1].copy())[0], module.matmul(ggml_type, raw, x)[0]]
     finally:
         torch.set_num_threads(before)
     for o in outs[1:]:

@@ -877,3 +877,198 @@ if numba is not None:
         if not isinstance(x, types.UniTuple):
             return None
         return types.none(tiles, p, i, g, x, sz, xs, y), _byte_dot_codegen(x.count // 2, wide=True)
+
+
+# ---- the file's blocks times 15-bit activations (ggml_dot.py): AVX2 byte products, llama.cpp's vec_dot shape ----
+DOT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+DOT_LIMB = 255  # x's integers xi = 255 hi + lo, hi and lo int8 in -127..127 (so a sign flip keeps them in range)
+
+
+def ggml_row_dots(kind, raw, lo, hi, xh, xl, xs, xsum, g0, y):
+    """Compiled only (ggml_row_dots1..4: rows g0.. of x, 1-4 of them): y[g0 + g, n] = x[g0 + g] . W[n] for the rows
+    lo <= n < hi of W, whose blocks of type DOT_TYPES[kind] raw (N, row_bytes) uint8 holds; x as integers per 32
+    columns, xi = 255 xh + xl (xh, xl (M, K) int8), x = xs[m, c // 32] xi, and xsum[m, b] = xs[m, b] times the sum
+    of block b's xi (both (M, K / 32) f32). Each 32 codes meet both limbs in vpmaddubsw (unsigned codes as they are;
+    signed ones by magnitude, x's limbs sign-flipped by the code: llama.cpp's AVX2 trick), the limbs joined exactly
+    in int32 lanes (vpmaddwd by 255 and by 1), converted to f32 once per 32 codes and added into a vector of sums
+    with the block's scale (d, or d sc per sub-block of 16 or 32) times x's; a block's min or offset meets xsum. Each
+    row of x keeps its vector of sums in a register over the row of W, summed across lanes at the end: a row's bits
+    do not depend on the rows beside it."""
+    raise NotImplementedError
+
+
+if numba is not None:
+    _V32B, _V16B, _V4B = ir.VectorType(_I8, 32), ir.VectorType(_I8, 16), ir.VectorType(_I8, 4)
+    _V16S, _V8I, _V8F = ir.VectorType(ir.IntType(16), 16), ir.VectorType(_I32, 8), ir.VectorType(_F32, 8)
+
+    def _b32(v):
+        return ir.Constant(_V32B, v if isinstance(v, list) else [v] * 32)
+
+    def _call(builder, name, ret, *args):
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(ret, [a.type for a in args]), name)
+        return builder.call(fn, list(args))
+
+    def _f16_at(builder, addr):
+        return builder.fpext(builder.bitcast(ir_load(builder, addr, ir.IntType(16)), ir.HalfType()), _F32)
+
+    def _byte_at(builder, addr):
+        """The uint8 at addr as i32."""
+        return builder.zext(ir_load(builder, addr, _I8), _I32)
+
+    def _fifth_bits(builder, qh4):
+        """<4 x i8> of 32 bits (bit j: element j's fifth bit) -> <32 x i8> holding 16 where element j's is set."""
+        spread = builder.shuffle_vector(qh4, qh4, ir.Constant(ir.VectorType(_I32, 32), [j // 8 for j in range(32)]))
+        bit = builder.and_(spread, _b32([1 << (j % 8) for j in range(32)]))
+        return builder.select(builder.icmp_unsigned("!=", bit, _b32(0)), _b32(16), _b32(0))
+
+    def _k4_scale_min(builder, at, s):
+        """Q4_K / Q5_K's 6-bit scale and min of sub-block s (ggml's get_scale_min_k4) from the 12 bytes at `at`."""
+        q = lambda j: _byte_at(builder, builder.add(at, ir.Constant(_I64, j)))  # noqa: E731
+        c = lambda v: ir.Constant(_I32, v)  # noqa: E731
+        if s < 4:
+            return builder.and_(q(s), c(63)), builder.and_(q(s + 4), c(63))
+        sc = builder.or_(builder.and_(q(s + 4), c(15)), builder.shl(builder.lshr(q(s - 4), c(6)), c(4)))
+        m = builder.or_(builder.lshr(q(s + 4), c(4)), builder.shl(builder.lshr(q(s), c(6)), c(4)))
+        return sc, m
+
+    def _type_body(name, builder, blk, emit, mins):
+        """One block (a super-block for the K types) of type `name` at address blk: emit(codes <32 x i8>, signed,
+        element offset in the block, scale (an f32, or a pair for its two 16s)); mins(coefficient f32, element
+        offset): coefficient times xsum of that 32."""
+        at = lambda o: builder.add(blk, ir.Constant(_I64, o))  # noqa: E731
+        i2f = lambda v: builder.uitofp(v, _F32)  # noqa: E731
+        if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1"):
+            qs = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6, "Q5_1": 8}[name]
+            nib = ir_load(builder, at(qs), _V16B)
+            codes = builder.shuffle_vector(builder.and_(nib, ir.Constant(_V16B, [15] * 16)),
+                                           builder.lshr(nib, ir.Constant(_V16B, [4] * 16)),
+                                           ir.Constant(ir.VectorType(_I32, 32), list(range(32))))
+            if name in ("Q5_0", "Q5_1"):
+                codes = builder.or_(codes, _fifth_bits(builder, ir_load(builder, at(qs - 4), _V4B)))
+            d = _f16_at(builder, at(0))
+            if name in ("Q4_1", "Q5_1"):
+                emit(codes, False, 0, d)
+                mins(_f16_at(builder, at(2)), 0)
+            else:
+                emit(builder.sub(codes, _b32(8 if name == "Q4_0" else 16)), True, 0, d)
+        elif name == "Q8_0":
+            emit(ir_load(builder, at(2), _V32B), True, 0, _f16_at(builder, at(0)))
+        elif name in ("Q4_K", "Q5_K"):
+            d, dmin = _f16_at(builder, at(0)), _f16_at(builder, at(2))
+            qs = 16 if name == "Q4_K" else 48
+            qh = ir_load(builder, at(16), _V32B) if name == "Q5_K" else None
+            for j in range(4):
+                q = ir_load(builder, at(qs + 32 * j), _V32B)
+                for h, codes in enumerate((builder.and_(q, _b32(15)), builder.lshr(q, _b32(4)))):
+                    s = 2 * j + h
+                    if qh is not None:  # bit s of qh[l] is element l's fifth bit
+                        codes = builder.or_(codes, builder.shl(builder.and_(builder.lshr(qh, _b32(s)), _b32(1)),
+                                                               _b32(4)))
+                    sc, m = _k4_scale_min(builder, at(4), s)
+                    emit(codes, False, 32 * s, builder.fmul(d, i2f(sc)))
+                    mins(builder.fneg(builder.fmul(dmin, i2f(m))), 32 * s)
+        elif name == "Q6_K":
+            d = _f16_at(builder, at(208))
+            for half in range(2):
+                ql0, ql1 = ir_load(builder, at(64 * half), _V32B), ir_load(builder, at(64 * half + 32), _V32B)
+                qh = ir_load(builder, at(128 + 32 * half), _V32B)
+                for q in range(4):
+                    low = ql0 if q % 2 == 0 else ql1
+                    low = builder.and_(low, _b32(15)) if q < 2 else builder.lshr(low, _b32(4))
+                    high = builder.shl(builder.and_(builder.lshr(qh, _b32(2 * q)), _b32(3)), _b32(4))
+                    sc = [builder.sitofp(builder.sext(ir_load(builder, at(192 + 8 * half + 2 * q + g), _I8), _I32),
+                                         _F32) for g in (0, 1)]
+                    emit(builder.sub(builder.or_(low, high), _b32(32)), True, 128 * half + 32 * q,
+                         (builder.fmul(d, sc[0]), builder.fmul(d, sc[1])))
+        else:
+            raise ValueError(name)
+
+    def _row_dots_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            kind, lo, hi, g0 = args[0], args[2], args[3], args[8]
+            raw, xh, xl, xs, xsum, y = (context.make_array(sig.args[j])(context, builder, args[j])
+                                        for j in (1, 4, 5, 6, 7, 9))
+            K = cgutils.unpack_tuple(builder, xh.shape, 2)[1]
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+            x_hi, x_lo = [ir_at(builder, xh, r) for r in rows], [ir_at(builder, xl, r) for r in rows]
+            x_s, x_sum = [ir_at(builder, xs, r) for r in rows], [ir_at(builder, xsum, r) for r in rows]
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+            w255, w1 = ir.Constant(_V16S, [DOT_LIMB] * 16), ir.Constant(_V16S, [1] * 16)
+            acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
+            acc_s = [cgutils.alloca_once(builder, _F32) for _ in range(ng)]
+            with cgutils.for_range(builder, builder.sub(hi, lo)) as row:
+                n = builder.add(lo, row.index)
+                for g in range(ng):
+                    builder.store(ir.Constant(_V8F, [0.0] * 8), acc[g])
+                    builder.store(ir.Constant(_F32, 0.0), acc_s[g])
+                w_row = ir_at(builder, raw, n)
+                end = builder.append_basic_block("dots.end")
+                switch = builder.switch(kind, end)
+                for t, name in enumerate(DOT_TYPES):
+                    case = builder.append_basic_block(f"dots.{name}")
+                    switch.add_case(ir.Constant(_I64, t), case)
+                    builder.position_at_end(case)
+                    qk, bb = (256, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name]) if name.endswith("_K") else \
+                        (32, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[name])
+                    with cgutils.for_range(builder, builder.udiv(K, ir.Constant(_I64, qk))) as blk:
+                        b = blk.index
+                        x0 = builder.mul(b, ir.Constant(_I64, qk))  # the block's first column
+                        x32 = builder.udiv(x0, ir.Constant(_I64, 32))
+
+                        def emit(codes, signed, off, scale):
+                            u = _call(builder, "llvm.abs.v32i8", _V32B, codes, ir.Constant(ir.IntType(1), 0)) \
+                                if signed else codes
+                            for g in range(ng):
+                                col = builder.add(x0, ir.Constant(_I64, off))
+                                vh = ir_load(builder, builder.add(x_hi[g], col), _V32B)
+                                vl = ir_load(builder, builder.add(x_lo[g], col), _V32B)
+                                if signed:
+                                    vh = _call(builder, "llvm.x86.avx2.psign.b", _V32B, vh, codes)
+                                    vl = _call(builder, "llvm.x86.avx2.psign.b", _V32B, vl, codes)
+                                ph = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, u, vh)
+                                pl = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, u, vl)
+                                s = builder.add(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, ph, w255),
+                                                _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, pl, w1))
+                                xb = builder.add(x32, ir.Constant(_I64, off // 32))
+                                sx = ir_load(builder, builder.add(x_s[g], builder.mul(xb, ir.Constant(_I64, 4))), _F32)
+                                if isinstance(scale, tuple):  # lanes 0-3: the first 16 codes' sums, 4-7 the next 16's
+                                    two = ir.Constant(ir.VectorType(_F32, 2), None)
+                                    two = builder.insert_element(two, builder.fmul(scale[0], sx), ir.Constant(_I32, 0))
+                                    two = builder.insert_element(two, builder.fmul(scale[1], sx), ir.Constant(_I32, 1))
+                                    sv = builder.shuffle_vector(two, two, ir.Constant(_V8I, [0] * 4 + [1] * 4))
+                                else:
+                                    one = builder.insert_element(ir.Constant(_V8F, None), builder.fmul(scale, sx),
+                                                                 ir.Constant(_I32, 0))
+                                    sv = builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
+                                builder.store(builder.call(fma, [builder.sitofp(s, _V8F), sv, builder.load(acc[g])]),
+                                              acc[g])
+
+                        def mins(coef, off):
+                            xb = builder.add(x32, ir.Constant(_I64, off // 32))
+                            for g in range(ng):
+                                v = ir_load(builder, builder.add(x_sum[g], builder.mul(xb, ir.Constant(_I64, 4))), _F32)
+                                builder.store(builder.fadd(builder.load(acc_s[g]), builder.fmul(coef, v)), acc_s[g])
+
+                        _type_body(name, builder, builder.add(w_row, builder.mul(b, ir.Constant(_I64, bb))), emit, mins)
+                    builder.branch(end)
+                builder.position_at_end(end)
+                for g in range(ng):
+                    v = builder.load(acc[g])
+                    for w in (4, 2, 1):  # halves added: 8 -> 4 -> 2 -> 1 lanes
+                        v = builder.fadd(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w), list(range(w)))),
+                                         builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, w),
+                                                                                  list(range(w, 2 * w)))))
+                    total = builder.fadd(builder.extract_element(v, ir.Constant(_I32, 0)), builder.load(acc_s[g]))
+                    ir_store(builder, total, ir_at(builder, y, rows[g], n))
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _row_dots_intrinsic(ng: int):
+        def typer(typingctx, kind, raw, lo, hi, xh, xl, xs, xsum, g0, y):
+            i = types.int64
+            return types.none(i, raw, i, i, xh, xl, xs, xsum, i, y), _row_dots_codegen(ng)
+
+        return intrinsic(typer)
+
+    ggml_row_dots1, ggml_row_dots2, ggml_row_dots3, ggml_row_dots4 = (_row_dots_intrinsic(g) for g in (1, 2, 3, 4))
