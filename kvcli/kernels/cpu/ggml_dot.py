@@ -1,11 +1,10 @@
-"""Decode's products on the file's blocks with integer byte products (AVX2), the shape of llama.cpp's vec_dot.
+"""Decode's products on the file's blocks with integer products (AVX2), the shape of llama.cpp's vec_dot.
 
-x (M, K) is taken per 32 columns as integers xi = x / sx (sx = max |x| / 32385), each split in two int8 limbs xi =
-255 hi + lo (15-bit activations: llama.cpp's one 8-bit limb moved decode's KLD and a chat's answer, see
-kvcli/kernels/cpu/weights.py). Each row of W is read once for up to 4 rows of x: every 32 codes of a block are
-unpacked in byte lanes and multiplied by both limbs with vpmaddubsw, the limbs joined exactly in int32 lanes, and
-added into a vector of f32 sums with the block's scale times sx (vectors.ggml_row_dots). Integer sums are exact; f32
-once per 32 codes. A row's bits do not depend on the rows beside it nor on the thread count (each output made by one
+x (M, K) is taken per 32 columns as 16-bit integers xi = x / sx (sx = max |x| / 32767; llama.cpp's 8-bit
+activations moved decode's KLD and a chat's answer, see kvcli/kernels/cpu/weights.py). Each row of W is read once
+for up to 4 rows of x: every 32 codes of a block are unpacked in byte lanes, widened to 16 bits and multiplied by
+x's with vpmaddwd, then added into a vector of f32 sums with the block's scale times sx (vectors.ggml_row_dots).
+Integer sums are exact; f32 once per 32 codes. A row's bits do not depend on the rows beside it nor on the thread count (each output made by one
 thread, in one order). Types: vectors.DOT_TYPES; the others keep ggml_rows.py's f32 slabs.
 """
 
@@ -15,20 +14,20 @@ import numpy as np
 
 from .compile import RNE, THREADED, available, exact_jit, jit, jit_threaded, numba
 from .ggml_rows import _threads
-from .vectors import DOT_LIMB, DOT_TYPES
+from .vectors import DOT_TYPES
 
 if numba is not None:
     from .vectors import ggml_row_dots1, ggml_row_dots2, ggml_row_dots3, ggml_row_dots4
 
 __all__ = ["DOT_TYPES", "available", "matmul", "quantize_x", "warm_up"]
 
-X_RANGE = 127 * DOT_LIMB  # |xi| of a block's largest element: both limbs within -127..127
+X_RANGE = 32767  # |xi| of a block's largest element
 
 
 @exact_jit
-def quantize_x(x, xh, xl, xs, xsum):
-    """x (M, K) f32 -> limbs xh, xl (M, K) int8 with xi = 255 xh + xl, rounded to nearest even from x / sx, sx = max
-    |x| / X_RANGE per 32 columns (xs (M, K / 32) f32; 0 and all-zero limbs where the block is 0), xsum = sx sum xi."""
+def quantize_x(x, xi, xs, xsum):
+    """x (M, K) f32 -> xi (M, K) int16, x / sx rounded to nearest even, sx = max |x| / X_RANGE per 32 columns (xs
+    (M, K / 32) f32; 0 and all-zero xi where the block is 0), xsum = sx sum xi."""
     M, K = x.shape
     for m in range(M):
         for b in range(K // 32):
@@ -36,8 +35,7 @@ def quantize_x(x, xh, xl, xs, xsum):
             for k in range(32 * b, 32 * b + 32):
                 amax = max(amax, abs(x[m, k]))
             if amax == 0:
-                xh[m, 32 * b : 32 * b + 32] = 0
-                xl[m, 32 * b : 32 * b + 32] = 0
+                xi[m, 32 * b : 32 * b + 32] = 0
                 xs[m, b] = 0
                 xsum[m, b] = 0
                 continue
@@ -45,54 +43,51 @@ def quantize_x(x, xh, xl, xs, xsum):
             inv = np.float32(1) / sx
             total = 0
             for k in range(32 * b, 32 * b + 32):
-                xi = min(max(np.int32((x[m, k] * inv + RNE) - RNE), -X_RANGE), X_RANGE)
-                h = (xi + 127) // DOT_LIMB  # floor: lo = xi - 255 h in -127..127
-                xh[m, k] = h
-                xl[m, k] = xi - DOT_LIMB * h
-                total += xi
+                v = min(max(np.int32((x[m, k] * inv + RNE) - RNE), -X_RANGE), X_RANGE)
+                xi[m, k] = v
+                total += v
             xs[m, b] = sx
             xsum[m, b] = sx * np.float32(total)
 
 
 @jit
-def _span(kind, raw, xh, xl, xs, xsum, y, lo, hi):
+def _span(kind, raw, xi, xs, xsum, y, lo, hi):
     """y[:, lo:hi] for rows lo..hi-1 of W: x's rows by groups of 4 (their sums in registers), the rest by 3, 2 or 1."""
-    M = xh.shape[0]
+    M = xi.shape[0]
     g0 = 0
     while g0 < M:
         g = M - g0
         if g >= 4:
-            ggml_row_dots4(kind, raw, lo, hi, xh, xl, xs, xsum, g0, y)
+            ggml_row_dots4(kind, raw, lo, hi, xi, xs, xsum, g0, y)
         elif g == 3:
-            ggml_row_dots3(kind, raw, lo, hi, xh, xl, xs, xsum, g0, y)
+            ggml_row_dots3(kind, raw, lo, hi, xi, xs, xsum, g0, y)
         elif g == 2:
-            ggml_row_dots2(kind, raw, lo, hi, xh, xl, xs, xsum, g0, y)
+            ggml_row_dots2(kind, raw, lo, hi, xi, xs, xsum, g0, y)
         else:
-            ggml_row_dots1(kind, raw, lo, hi, xh, xl, xs, xsum, g0, y)
+            ggml_row_dots1(kind, raw, lo, hi, xi, xs, xsum, g0, y)
         g0 += min(g, 4)
 
 
 @jit_threaded
-def _threaded(kind, raw, xh, xl, xs, xsum, y, threads):
+def _threaded(kind, raw, xi, xs, xsum, y, threads):
     """_span over `threads` runs of W's rows at once (each output made by one thread as _span makes it)."""
     N = raw.shape[0]
     for t in numba.prange(threads):
-        _span(kind, raw, xh, xl, xs, xsum, y, N * t // threads, N * (t + 1) // threads)
+        _span(kind, raw, xi, xs, xsum, y, N * t // threads, N * (t + 1) // threads)
 
 
 def matmul(ggml_type: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x (M, K) f32 contiguous -> x W.T (M, N) f32, W the (N, K) matrix whose blocks raw (N, row bytes) holds."""
     M, K = x.shape
-    xh, xl = np.empty((M, K), np.int8), np.empty((M, K), np.int8)
-    xs, xsum = np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
-    quantize_x(x, xh, xl, xs, xsum)
+    xi, xs, xsum = np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+    quantize_x(x, xi, xs, xsum)
     y = np.empty((M, raw.shape[0]), np.float32)
     kind = DOT_TYPES.index(ggml_type)
     threads = _threads()
     if threads > 1 and THREADED:
-        _threaded(kind, raw, xh, xl, xs, xsum, y, threads)
+        _threaded(kind, raw, xi, xs, xsum, y, threads)
     else:
-        _span(kind, raw, xh, xl, xs, xsum, y, 0, raw.shape[0])
+        _span(kind, raw, xi, xs, xsum, y, 0, raw.shape[0])
     return y
 
 

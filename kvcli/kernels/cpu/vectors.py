@@ -879,21 +879,19 @@ if numba is not None:
         return types.none(tiles, p, i, g, x, sz, xs, y), _byte_dot_codegen(x.count // 2, wide=True)
 
 
-# ---- the file's blocks times 15-bit activations (ggml_dot.py): AVX2 byte products, llama.cpp's vec_dot shape ----
+# ---- the file's blocks times 16-bit activations (ggml_dot.py): AVX2 integer products, llama.cpp's vec_dot shape ----
 DOT_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
-DOT_LIMB = 255  # x's integers xi = 255 hi + lo, hi and lo int8 in -127..127 (so a sign flip keeps them in range)
 
 
-def ggml_row_dots(kind, raw, lo, hi, xh, xl, xs, xsum, g0, y):
+def ggml_row_dots(kind, raw, lo, hi, xi, xs, xsum, g0, y):
     """Compiled only (ggml_row_dots1..4: rows g0.. of x, 1-4 of them): y[g0 + g, n] = x[g0 + g] . W[n] for the rows
     lo <= n < hi of W, whose blocks of type DOT_TYPES[kind] raw (N, row_bytes) uint8 holds; x as integers per 32
-    columns, xi = 255 xh + xl (xh, xl (M, K) int8), x = xs[m, c // 32] xi, and xsum[m, b] = xs[m, b] times the sum
-    of block b's xi (both (M, K / 32) f32). Each 32 codes meet both limbs in vpmaddubsw (unsigned codes as they are;
-    signed ones by magnitude, x's limbs sign-flipped by the code: llama.cpp's AVX2 trick), the limbs joined exactly
-    in int32 lanes (vpmaddwd by 255 and by 1), converted to f32 once per 32 codes and added into a vector of sums
-    with the block's scale (d, or d sc per sub-block of 16 or 32) times x's; a block's min or offset meets xsum. Each
-    row of x keeps its vector of sums in a register over the row of W, summed across lanes at the end: a row's bits
-    do not depend on the rows beside it."""
+    columns, xi (M, K) int16, x = xs[m, c // 32] xi, and xsum[m, b] = xs[m, b] times the sum of block b's xi (both
+    (M, K / 32) f32). Each 32 codes are unpacked in byte lanes, widened to 16 bits once for every row of x, and meet
+    x's in vpmaddwd (int32 lane sums of pairs: exact), converted to f32 once per 32 codes and added into a vector of
+    sums with the block's scale (d, or d sc per sub-block of 16 or 32) times x's; a block's min or offset meets
+    xsum. Each row of x keeps its vector of sums in a register over the row of W, summed across lanes at the end: a
+    row's bits do not depend on the rows beside it."""
     raise NotImplementedError
 
 
@@ -946,11 +944,9 @@ if numba is not None:
             if name in ("Q5_0", "Q5_1"):
                 codes = builder.or_(codes, _fifth_bits(builder, ir_load(builder, at(qs - 4), _V4B)))
             d = _f16_at(builder, at(0))
-            if name in ("Q4_1", "Q5_1"):
-                emit(codes, False, 0, d)
-                mins(_f16_at(builder, at(2)), 0)
-            else:
-                emit(builder.sub(codes, _b32(8 if name == "Q4_0" else 16)), True, 0, d)
+            emit(codes, False, 0, d)  # unsigned codes: Q4_0 / Q5_0's offset meets xsum as a min would (no sign flips)
+            mins(_f16_at(builder, at(2)) if name in ("Q4_1", "Q5_1")
+                 else builder.fmul(d, ir.Constant(_F32, -8.0 if name == "Q4_0" else -16.0)), 0)
         elif name == "Q8_0":
             emit(ir_load(builder, at(2), _V32B), True, 0, _f16_at(builder, at(0)))
         elif name in ("Q4_K", "Q5_K"):
@@ -985,15 +981,13 @@ if numba is not None:
 
     def _row_dots_codegen(ng: int):
         def codegen(context, builder, sig, args):
-            kind, lo, hi, g0 = args[0], args[2], args[3], args[8]
-            raw, xh, xl, xs, xsum, y = (context.make_array(sig.args[j])(context, builder, args[j])
-                                        for j in (1, 4, 5, 6, 7, 9))
-            K = cgutils.unpack_tuple(builder, xh.shape, 2)[1]
+            kind, lo, hi, g0 = args[0], args[2], args[3], args[7]
+            raw, xi, xs, xsum, y = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 4, 5, 6, 8))
+            K = cgutils.unpack_tuple(builder, xi.shape, 2)[1]
             rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
-            x_hi, x_lo = [ir_at(builder, xh, r) for r in rows], [ir_at(builder, xl, r) for r in rows]
+            x_i = [ir_at(builder, xi, r) for r in rows]
             x_s, x_sum = [ir_at(builder, xs, r) for r in rows], [ir_at(builder, xsum, r) for r in rows]
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
-            w255, w1 = ir.Constant(_V16S, [DOT_LIMB] * 16), ir.Constant(_V16S, [1] * 16)
             acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
             acc_s = [cgutils.alloca_once(builder, _F32) for _ in range(ng)]
             with cgutils.for_range(builder, builder.sub(hi, lo)) as row:
@@ -1016,32 +1010,29 @@ if numba is not None:
                         x32 = builder.udiv(x0, ir.Constant(_I64, 32))
 
                         def emit(codes, signed, off, scale):
-                            u = _call(builder, "llvm.abs.v32i8", _V32B, codes, ir.Constant(ir.IntType(1), 0)) \
-                                if signed else codes
+                            ext = builder.sext if signed else builder.zext
+                            halves = [ext(builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(_I32, 16),
+                                                                                           list(range(h, h + 16)))),
+                                          _V16S) for h in (0, 16)]
+                            def splat(v):
+                                one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
+                                return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
+
                             for g in range(ng):
-                                col = builder.add(x0, ir.Constant(_I64, off))
-                                vh = ir_load(builder, builder.add(x_hi[g], col), _V32B)
-                                vl = ir_load(builder, builder.add(x_lo[g], col), _V32B)
-                                if signed:
-                                    vh = _call(builder, "llvm.x86.avx2.psign.b", _V32B, vh, codes)
-                                    vl = _call(builder, "llvm.x86.avx2.psign.b", _V32B, vl, codes)
-                                ph = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, u, vh)
-                                pl = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, u, vl)
-                                s = builder.add(_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, ph, w255),
-                                                _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, pl, w1))
+                                col = builder.mul(builder.add(x0, ir.Constant(_I64, off)), ir.Constant(_I64, 2))
+                                p = [_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, halves[h],
+                                           ir_load(builder, builder.add(x_i[g], builder.add(col, ir.Constant(_I64, 32 * h))),
+                                                   _V16S)) for h in (0, 1)]
                                 xb = builder.add(x32, ir.Constant(_I64, off // 32))
                                 sx = ir_load(builder, builder.add(x_s[g], builder.mul(xb, ir.Constant(_I64, 4))), _F32)
-                                if isinstance(scale, tuple):  # lanes 0-3: the first 16 codes' sums, 4-7 the next 16's
-                                    two = ir.Constant(ir.VectorType(_F32, 2), None)
-                                    two = builder.insert_element(two, builder.fmul(scale[0], sx), ir.Constant(_I32, 0))
-                                    two = builder.insert_element(two, builder.fmul(scale[1], sx), ir.Constant(_I32, 1))
-                                    sv = builder.shuffle_vector(two, two, ir.Constant(_V8I, [0] * 4 + [1] * 4))
+                                a = builder.load(acc[g])
+                                if isinstance(scale, tuple):  # two sub-blocks of 16: each half its own scale
+                                    for h in (0, 1):
+                                        a = builder.call(fma, [builder.sitofp(p[h], _V8F), splat(builder.fmul(scale[h], sx)), a])
                                 else:
-                                    one = builder.insert_element(ir.Constant(_V8F, None), builder.fmul(scale, sx),
-                                                                 ir.Constant(_I32, 0))
-                                    sv = builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
-                                builder.store(builder.call(fma, [builder.sitofp(s, _V8F), sv, builder.load(acc[g])]),
-                                              acc[g])
+                                    a = builder.call(fma, [builder.sitofp(builder.add(p[0], p[1]), _V8F),
+                                                           splat(builder.fmul(scale, sx)), a])
+                                builder.store(a, acc[g])
 
                         def mins(coef, off):
                             xb = builder.add(x32, ir.Constant(_I64, off // 32))
@@ -1065,9 +1056,9 @@ if numba is not None:
         return codegen
 
     def _row_dots_intrinsic(ng: int):
-        def typer(typingctx, kind, raw, lo, hi, xh, xl, xs, xsum, g0, y):
+        def typer(typingctx, kind, raw, lo, hi, xi, xs, xsum, g0, y):
             i = types.int64
-            return types.none(i, raw, i, i, xh, xl, xs, xsum, i, y), _row_dots_codegen(ng)
+            return types.none(i, raw, i, i, xi, xs, xsum, i, y), _row_dots_codegen(ng)
 
         return intrinsic(typer)
 
