@@ -1,6 +1,6 @@
 """kvcli beside llama.cpp on the same GGUF file, in one run (issue 15's figures).
 
-    LLAMA_BIN=/path/to/llama.cpp/build/bin python3 benchmarks/vs_llama.py [--model M] [--quick] [-- kvcli flags]
+    LLAMA_BIN=/path/to/llama.cpp/build/bin python3 benchmarks/vs_llama.py [--model M] [--quick] [--reps N] [-- kvcli flags]
 
 Prints, per cache type: tg128 and pp512 at depth 0 and 4096 (`llama-bench -t T -fa 1` against
 `kvcli bench -t T`), each with the kvcli/llama.cpp ratio; then the peak RSS and load time of a
@@ -62,10 +62,12 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--types", default="f16,q8_0,q4_0,q4_hadamard")
     ap.add_argument("--quick", action="store_true", help="tg32/pp128, depths 0 and 1024, one repetition")
+    ap.add_argument("--reps", type=int, help="repetitions of each test (default 3, --quick 1)")
     argv = sys.argv[1:]
     extra = argv[argv.index("--") + 1 :] if "--" in argv else []
     args = ap.parse_args(argv[: argv.index("--")] if "--" in argv else argv)
     args.p, args.n, args.depths, args.r = (128, 32, "0,1024", 1) if args.quick else (512, 128, "0,4096", 3)
+    args.r = args.reps or args.r
     bin_dir = Path(os.environ.get("LLAMA_BIN", ""))
     if not (bin_dir / "llama-bench").exists():
         raise SystemExit("set LLAMA_BIN to llama.cpp's build/bin (llama-bench, llama-completion)")

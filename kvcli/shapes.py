@@ -63,14 +63,15 @@ def synthetic_types(c: ModelConfig) -> dict[str, str]:
 def random_forms(c: ModelConfig, weights: str, dtype: str, device: str, seed: int = 0):
     """Yield (GGUF tensor name, resident form, or a unit norm) of a synthetic model, made on `device`
     one at a time: under --weights native each matrix as random 4-bit codes in the device's form for
-    SYNTHETIC_TYPE (kvcli.weights.random_int4: no quantizing, a random model's values do not matter),
+    SYNTHETIC_TYPE (kvcli.weights.random_int4, or random_q4_0 where the CPU keeps the file's blocks: no quantizing,
+    a random model's values do not matter),
     else random_weights' matrices, dense at the chosen dtype."""
     from kvcli.gguf_file import expected_shapes
     from kvcli.model import dtype_from_name
-    from kvcli.weights import Dense, random_int4, resident_form
+    from kvcli.weights import Dense, random_int4, random_q4_0, resident_form
 
     form = resident_form(SYNTHETIC_TYPE, weights, dtype, device)
-    if form not in ("int4", "int4_cuda"):  # dense: f16 / f32 weights, or no packed form here
+    if form not in ("int4", "int4_cuda", "q4_0"):  # dense: f16 / f32 weights, or no packed form here
         for name, w in random_weights(c, dtype_from_name(form), device, seed):
             yield name, Dense(w) if w.dim() > 1 else w
         return
@@ -79,7 +80,7 @@ def random_forms(c: ModelConfig, weights: str, dtype: str, device: str, seed: in
         if len(shape) == 1:
             yield name, torch.ones(shape, device=device)
         else:
-            yield name, random_int4(form, *shape, g, dtype)
+            yield name, random_q4_0(*shape, g) if form == "q4_0" else random_int4(form, *shape, g, dtype)
 
 
 def weight_bytes(c: ModelConfig, dtype: str, untied_output: bool = False, weights: str = "native",

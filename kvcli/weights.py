@@ -707,6 +707,15 @@ def random_int4(form: str, n: int, k: int, generator: torch.Generator, dtype: st
     return Blocks(codes, scale, -7.5 * scale, 4, _DENSE[dtype])
 
 
+def random_q4_0(n: int, k: int, generator: torch.Generator, std: float = 0.02) -> FileBlocks:
+    """A random (n, k) Q4_0 matrix in the file's blocks (a synthetic model's on a CPU that keeps Q4_0 so): uniform
+    random code bytes, every block's f16 d = s, W = (q - 8) s of standard deviation about `std`."""
+    s = std / (255 / 12 + 0.25) ** 0.5  # q - 8, q uniform 0..15: mean -0.5, mean square 255 / 12 + 0.25
+    raw = torch.randint(0, 256, (n, k // 32, 18), generator=generator, dtype=torch.uint8).numpy()
+    raw[..., :2] = np.array([s], np.float16).view(np.uint8)
+    return FileBlocks(raw.reshape(n, -1), "Q4_0", k)
+
+
 def load(tensor, form: str, dtype: str = "f32"):
     """A gguf.ReaderTensor (over the memory map) -> its resident form, holding one tensor's copy at most.
     dtype: the GEMM dtype of Blocks' batches (the compute dtype).
@@ -809,22 +818,21 @@ def _file_slab(form: FileBlocks, start: int, stop: int, dtype: torch.dtype = tor
     return out.T if dtype == torch.float32 else out.T.to(dtype)
 
 
-def _file_blocks_numba(form: FileBlocks, x: torch.Tensor) -> torch.Tensor:
-    """Up to FILE_GEMV_ROWS rows on the blocks (ggml_rows.matmul), a batch by f32 slabs + GEMM."""
-    rows = _rows(x)
-    if rows > FILE_GEMV_ROWS:
-        return _file_slab_products(form, x, lambda start, stop: _file_slab(form, start, stop))
-    y = _cpu_kernel("ggml_rows").matmul(form.type, form.raw, x.reshape(rows, form.k).contiguous().numpy())
-    return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
+def _file_blocks_product(kernel: str):
+    """PRODUCT's run for FileBlocks through the kernel module `kernel` (ggml_rows: f32 slabs in the core's cache;
+    ggml_dot: AVX2 integer products): up to FILE_GEMV_ROWS rows on the blocks (its matmul), a batch by f32 slabs + GEMM."""
+
+    def run(form: FileBlocks, x: torch.Tensor) -> torch.Tensor:
+        rows = _rows(x)
+        if rows > FILE_GEMV_ROWS:
+            return _file_slab_products(form, x, lambda start, stop: _file_slab(form, start, stop))
+        y = _cpu_kernel(kernel).matmul(form.type, form.raw, x.reshape(rows, form.k).contiguous().numpy())
+        return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
+
+    return run
 
 
-def _file_blocks_dot(form: FileBlocks, x: torch.Tensor) -> torch.Tensor:
-    """Up to FILE_GEMV_ROWS rows by integer byte products on the blocks (ggml_dot.matmul), a batch by f32 slabs + GEMM."""
-    rows = _rows(x)
-    if rows > FILE_GEMV_ROWS:
-        return _file_slab_products(form, x, lambda start, stop: _file_slab(form, start, stop))
-    y = _cpu_kernel("ggml_dot").matmul(form.type, form.raw, x.reshape(rows, form.k).contiguous().numpy())
-    return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
+_file_blocks_numba, _file_blocks_dot = _file_blocks_product("ggml_rows"), _file_blocks_product("ggml_dot")
 
 
 def _dot_types() -> tuple[str, ...]:

@@ -9,7 +9,6 @@ import pytest
 import torch
 from typer.testing import CliRunner
 
-from kvcli.kernels.cpu.int4_tiles import tile_width
 from kvcli.cli import app
 from kvcli.sampler import Sampler
 from kvcli.gguf_file import read_tensor
@@ -29,10 +28,9 @@ HF_BOUND = 1e-4  # kvcli f32 against transformers f32: summation order only
 
 
 def native_form(ggml_type: str) -> str:
-    """The resident form a matrix of this type should get under native weights at --dtype f32: Q4_K packed for torch's
-    int4 kernel where it is, Q8_0 for the int8-dot kernel where it runs, the others in the file's own blocks."""
-    if tile_width() is not None and ggml_type == "Q4_K":
-        return "int4"
+    """The resident form a matrix of this type should get under native weights at --dtype f32: Q4_K as int4 tiles and
+    Q8_0 as int8 ones where the VNNI kernel runs (Q4_K also where torch's int4 GEMM is the best there is), the others
+    in the file's own blocks."""
     return resident_form(ggml_type, "native", "f32", "cpu") if ggml_type in FILE_BLOCKS else "f32"
 
 
@@ -104,7 +102,7 @@ def test_fixtures_are_there():
 
 
 def test_native_forms(fixture):
-    """Q4_K -> int4, the other ggml types as native_form says; fused projections join their parts' forms."""
+    """Each ggml type as native_form says; fused projections join their parts' forms."""
     _, native, _ = fixture
     types = {n: t.tensor_type.name for n, t in native.gguf.tensors.items()}
     parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
