@@ -990,52 +990,59 @@ if numba is not None:
             fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
             acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
             acc_s = [cgutils.alloca_once(builder, _F32) for _ in range(ng)]
-
-            def splat(v):
-                one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
-                return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
-
-            def row_of_w(name, n):
-                """y[rows, n] = x[rows] . W[n], W's blocks of type `name`."""
+            with cgutils.for_range(builder, builder.sub(hi, lo)) as row:
+                n = builder.add(lo, row.index)
                 for g in range(ng):
                     builder.store(ir.Constant(_V8F, [0.0] * 8), acc[g])
                     builder.store(ir.Constant(_F32, 0.0), acc_s[g])
                 w_row = ir_at(builder, raw, n)
-                qk, bb = (256, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name]) if name.endswith("_K") else \
-                    (32, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[name])
-                with cgutils.for_range(builder, builder.udiv(K, ir.Constant(_I64, qk))) as blk:
-                    b = blk.index
-                    x0 = builder.mul(b, ir.Constant(_I64, qk))  # the block's first column
-                    x32 = builder.udiv(x0, ir.Constant(_I64, 32))
+                end = builder.append_basic_block("dots.end")
+                switch = builder.switch(kind, end)
+                for t, name in enumerate(DOT_TYPES):
+                    case = builder.append_basic_block(f"dots.{name}")
+                    switch.add_case(ir.Constant(_I64, t), case)
+                    builder.position_at_end(case)
+                    qk, bb = (256, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name]) if name.endswith("_K") else \
+                        (32, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[name])
+                    with cgutils.for_range(builder, builder.udiv(K, ir.Constant(_I64, qk))) as blk:
+                        b = blk.index
+                        x0 = builder.mul(b, ir.Constant(_I64, qk))  # the block's first column
+                        x32 = builder.udiv(x0, ir.Constant(_I64, 32))
 
-                    def emit(codes, signed, off, scale):
-                        ext = builder.sext if signed else builder.zext
-                        halves = [ext(builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(_I32, 16),
-                                                                                       list(range(h, h + 16)))),
-                                      _V16S) for h in (0, 16)]
-                        col = builder.mul(builder.add(x0, ir.Constant(_I64, off)), ir.Constant(_I64, 2))
-                        xb = builder.mul(builder.add(x32, ir.Constant(_I64, off // 32)), ir.Constant(_I64, 4))
-                        for g in range(ng):
-                            p = [_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, halves[h],
-                                       ir_load(builder, builder.add(x_i[g], builder.add(col, ir.Constant(_I64, 32 * h))),
-                                               _V16S)) for h in (0, 1)]
-                            sx = ir_load(builder, builder.add(x_s[g], xb), _F32)
-                            a = builder.load(acc[g])
-                            if isinstance(scale, tuple):  # two sub-blocks of 16: each half its own scale
-                                for h in (0, 1):
-                                    a = builder.call(fma, [builder.sitofp(p[h], _V8F), splat(builder.fmul(scale[h], sx)), a])
-                            else:
-                                a = builder.call(fma, [builder.sitofp(builder.add(p[0], p[1]), _V8F),
-                                                       splat(builder.fmul(scale, sx)), a])
-                            builder.store(a, acc[g])
+                        def emit(codes, signed, off, scale):
+                            ext = builder.sext if signed else builder.zext
+                            halves = [ext(builder.shuffle_vector(codes, codes, ir.Constant(ir.VectorType(_I32, 16),
+                                                                                           list(range(h, h + 16)))),
+                                          _V16S) for h in (0, 16)]
+                            def splat(v):
+                                one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
+                                return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
 
-                    def mins(coef, off):
-                        xb = builder.mul(builder.add(x32, ir.Constant(_I64, off // 32)), ir.Constant(_I64, 4))
-                        for g in range(ng):
-                            v = ir_load(builder, builder.add(x_sum[g], xb), _F32)
-                            builder.store(builder.fadd(builder.load(acc_s[g]), builder.fmul(coef, v)), acc_s[g])
+                            for g in range(ng):
+                                col = builder.mul(builder.add(x0, ir.Constant(_I64, off)), ir.Constant(_I64, 2))
+                                p = [_call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, halves[h],
+                                           ir_load(builder, builder.add(x_i[g], builder.add(col, ir.Constant(_I64, 32 * h))),
+                                                   _V16S)) for h in (0, 1)]
+                                xb = builder.add(x32, ir.Constant(_I64, off // 32))
+                                sx = ir_load(builder, builder.add(x_s[g], builder.mul(xb, ir.Constant(_I64, 4))), _F32)
+                                a = builder.load(acc[g])
+                                if isinstance(scale, tuple):  # two sub-blocks of 16: each half its own scale
+                                    for h in (0, 1):
+                                        a = builder.call(fma, [builder.sitofp(p[h], _V8F), splat(builder.fmul(scale[h], sx)), a])
+                                else:
+                                    a = builder.call(fma, [builder.sitofp(builder.add(p[0], p[1]), _V8F),
+                                                           splat(builder.fmul(scale, sx)), a])
+                                builder.store(a, acc[g])
 
-                    _type_body(name, builder, builder.add(w_row, builder.mul(b, ir.Constant(_I64, bb))), emit, mins)
+                        def mins(coef, off):
+                            xb = builder.add(x32, ir.Constant(_I64, off // 32))
+                            for g in range(ng):
+                                v = ir_load(builder, builder.add(x_sum[g], builder.mul(xb, ir.Constant(_I64, 4))), _F32)
+                                builder.store(builder.fadd(builder.load(acc_s[g]), builder.fmul(coef, v)), acc_s[g])
+
+                        _type_body(name, builder, builder.add(w_row, builder.mul(b, ir.Constant(_I64, bb))), emit, mins)
+                    builder.branch(end)
+                builder.position_at_end(end)
                 for g in range(ng):
                     v = builder.load(acc[g])
                     for w in (4, 2, 1):  # halves added: 8 -> 4 -> 2 -> 1 lanes
@@ -1044,17 +1051,6 @@ if numba is not None:
                                                                                   list(range(w, 2 * w)))))
                     total = builder.fadd(builder.extract_element(v, ir.Constant(_I32, 0)), builder.load(acc_s[g]))
                     ir_store(builder, total, ir_at(builder, y, rows[g], n))
-
-            end = builder.append_basic_block("dots.end")
-            switch = builder.switch(kind, end)  # the type chosen once a call: each case its own loop over W's rows
-            for t, name in enumerate(DOT_TYPES):
-                case = builder.append_basic_block(f"dots.{name}")
-                switch.add_case(ir.Constant(_I64, t), case)
-                builder.position_at_end(case)
-                with cgutils.for_range(builder, builder.sub(hi, lo)) as row:
-                    row_of_w(name, builder.add(lo, row.index))
-                builder.branch(end)
-            builder.position_at_end(end)
             return context.get_dummy_value()
 
         return codegen
