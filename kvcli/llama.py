@@ -103,6 +103,7 @@ class Llama:
                              f"not {ctx_size} and {n_seq}")
         if threads:
             torch.set_num_threads(threads)
+        threads = torch.get_num_threads()  # the count asked for (or set before), kept through the load below
         if dtype not in ("f32", "f16", "bf16"):
             raise KvcliError(f"unknown --dtype {dtype!r}; choose f32, f16 or bf16")
         if weights not in WEIGHTS:
@@ -167,6 +168,8 @@ class Llama:
         if device == "cpu":
             weights_warm_up(self.model, rows=1)  # so do decode's product kernel and the norm's pass
             rms_norm(torch.zeros(1, c.n_embd), self.model.output_norm, c.rms_eps)
+        if torch.get_num_threads() != threads:  # numba's OpenMP pool, started by the kernels' load, set the OpenMP
+            torch.set_num_threads(threads)  # runtime torch shares to its own count: -t 1 ran on two cores
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)

@@ -110,3 +110,16 @@ def test_public_methods_are_documented():
     for name in ("__init__", "tokenize", "detokenize", "generate", "logits", "eval", "reset", "new_cache"):
         assert getattr(Llama, name).__doc__, name
     assert "Raises KvcliError" in Llama.__init__.__doc__ and "model_path" in Llama.__init__.__doc__
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+def test_the_thread_count_holds_after_the_load(tiny, threads):
+    """numba's OpenMP pool, started when the kernels load, set the OpenMP runtime torch shares to numba's count: -t 1
+    ran on two cores. The count asked for (or set before the load, as `kvcli bench -t` does) holds after it."""
+    import torch
+
+    Llama(tiny, ctx_size=16, threads=threads)
+    assert torch.get_num_threads() == threads
+    torch.set_num_threads(threads)
+    Llama(tiny, ctx_size=16)
+    assert torch.get_num_threads() == threads
