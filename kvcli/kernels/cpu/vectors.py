@@ -8,6 +8,7 @@ x86-specific intrinsic is named as such where it is used, and its kernel's table
 
 from __future__ import annotations
 
+import gguf
 import numpy as np
 
 from .compile import VEC, numba
@@ -1002,8 +1003,7 @@ if numba is not None:
                     case = builder.append_basic_block(f"dots.{name}")
                     switch.add_case(ir.Constant(_I64, t), case)
                     builder.position_at_end(case)
-                    qk, bb = (256, {"Q4_K": 144, "Q5_K": 176, "Q6_K": 210}[name]) if name.endswith("_K") else \
-                        (32, {"Q4_0": 18, "Q4_1": 20, "Q5_0": 22, "Q5_1": 24, "Q8_0": 34}[name])
+                    qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]  # elements, bytes a block
                     with cgutils.for_range(builder, builder.udiv(K, ir.Constant(_I64, qk))) as blk:
                         b = blk.index
                         x0 = builder.mul(b, ir.Constant(_I64, qk))  # the block's first column
