@@ -70,8 +70,8 @@ def random_forms(c: ModelConfig, weights: str, dtype: str, device: str, seed: in
     from kvcli.model import dtype_from_name
     from kvcli.weights import Dense, random_int4, random_q4_0, resident_form
 
-    form = resident_form(SYNTHETIC_TYPE, weights, dtype, device)
-    if form not in ("int4", "int4_cuda", "q4_0"):  # dense: f16 / f32 weights, or no packed form here
+    form = resident_form(SYNTHETIC_TYPE, weights, dtype, device)  # each matrix: random_q4_0 keeps x8 to whole tiles
+    if form not in ("int4", "int4_cuda", "q4_0", "q4_0x8"):  # dense: f16 / f32 weights, or no packed form here
         for name, w in random_weights(c, dtype_from_name(form), device, seed):
             yield name, Dense(w) if w.dim() > 1 else w
         return
@@ -80,7 +80,8 @@ def random_forms(c: ModelConfig, weights: str, dtype: str, device: str, seed: in
         if len(shape) == 1:
             yield name, torch.ones(shape, device=device)
         else:
-            yield name, random_q4_0(*shape, g) if form == "q4_0" else random_int4(form, *shape, g, dtype)
+            q4_0 = form if shape[0] % 8 == 0 else "q4_0"
+            yield name, random_q4_0(*shape, g, q4_0) if form.startswith("q4_0") else random_int4(form, *shape, g, dtype)
 
 
 def weight_bytes(c: ModelConfig, dtype: str, untied_output: bool = False, weights: str = "native",
@@ -104,5 +105,5 @@ def resident_weight_bytes(c: ModelConfig, dtype: str, untied_output: bool = Fals
             out[name] = 4 * shape[0]
         else:
             ggml = types.get(name, "F32") if types else "F32"
-            out[name] = resident_bytes(resident_form(ggml, weights, dtype, device), *shape)
+            out[name] = resident_bytes(resident_form(ggml, weights, dtype, device, shape[0]), *shape)
     return out

@@ -12,6 +12,8 @@ Forms (chosen per tensor by `resident_form`, from its GGUF type), each with a `k
   Int8  Q8_0 where the AVX512-VNNI kernel runs: int8 codes (N, K) and the f16 block scales (N, K / 32): W = d q.
   FileBlocks (CPU) the other ggml types of FILE_BLOCKS (Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, Q8_0 elsewhere): the
         file's own blocks, a view of the memory map, decoded where multiplied (kvcli/kernels/cpu/ggml_rows.py).
+  FileTiles (CPU with AVX2, where the VNNI kernel does not run) the types of ggml_tiles (Q4_0-Q8_0, Q4_K-Q6_K):
+        the file's blocks regrouped 8 rows at a time, as many bytes (kvcli/kernels/cpu/ggml_tiles.py).
   Blocks (CUDA) the same types as blocks of 32 in ggml's order with f16 scale and min, for the Triton
         decode kernel (kvcli/kernels/gpu/weights.py): int4_cuda (Q4_*) and int8_cuda (Q8_0).
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor (its own product, no kernel).
@@ -75,6 +77,8 @@ def warm_up(model, rows: int) -> None:
         _cpu_kernel("ggml_rows").warm_up()
         if any(table.choose(PRODUCT, "cpu", "ggml", ggml_type=t).run is _file_blocks_dot for t in file_types):
             _cpu_kernel("ggml_dot").warm_up()
+        if any(isinstance(f, FileTiles) for f in forms):
+            _cpu_kernel("ggml_tiles").warm_up()
 
 
 WEIGHTS = ("native", "f16", "f32")  # --weights choices
@@ -481,6 +485,62 @@ class FileBlocks:
         return FileBlocks(self.raw[start : start + n], self.type, self.k)
 
 
+class FileTiles(FileBlocks):
+    """W (N, K) of a 32-element ggml type (TILE_TYPES) in its file's blocks regrouped 8 rows at a time: tiles
+    (N / 8, 8 row bytes) uint8, the same bytes in another order (kvcli/kernels/cpu/ggml_tiles.py retile) so that
+    decode's AVX2 kernel keeps 8 rows' sums in one vector's lanes. No byte more than the file's; rows and slabs are
+    put back in the file's order where read (the embedding, a batch's slabs)."""
+
+    kind = "ggml_tiles"
+
+    def __init__(self, tiles: np.ndarray, ggml_type: str, k: int):
+        if tiles.flags.writeable:
+            tiles.setflags(write=False)
+        self.tiles, self.type, self.k = tiles, ggml_type, k
+        self.product = None
+        import gguf
+
+        elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]]
+        self.per_tile = tiles.shape[1] // (k // elements * block_bytes)  # rows a tile holds
+
+    @classmethod
+    def of(cls, raw: np.ndarray, ggml_type: str, k: int) -> FileTiles:
+        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw), ggml_type, k)
+
+    @property
+    def raw(self) -> np.ndarray:
+        """The file's blocks (N, row bytes): a copy, for the references and tests."""
+        return self.file_rows(0, self.shape[0])
+
+    @property
+    def name(self) -> str:
+        return f"{self.type.lower()}x8"
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return self.tiles.shape[0] * self.per_tile, self.k
+
+    @property
+    def nbytes(self) -> int:
+        return self.tiles.nbytes
+
+    def file_rows(self, start: int, stop: int) -> np.ndarray:
+        """Rows start..stop-1 in the file's blocks (stop - start, row bytes)."""
+        lo, hi = start // self.per_tile, -(-stop // self.per_tile)
+        raw = _cpu_kernel("ggml_tiles").untile(self.type, self.tiles, lo, hi)
+        return raw[start - self.per_tile * lo : stop - self.per_tile * lo]
+
+    def slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        return FileBlocks(self.file_rows(start, stop), self.type, self.k).slab_t(0, stop - start, dtype)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        flat = ids.reshape(-1).numpy().astype(np.int64)
+        tiles, at = np.unique(flat // self.per_tile, return_inverse=True)  # only the tiles asked for put back
+        raw = np.concatenate([self.file_rows(self.per_tile * t, self.per_tile * t + self.per_tile) for t in tiles])
+        picked = FileBlocks(raw, self.type, self.k).rows(torch.from_numpy(self.per_tile * at + flat % self.per_tile))
+        return picked.view(*ids.shape, self.k)
+
+
 class Rows:
     """Rows start..start+n-1 of a form that cannot be sliced in place (a packed tile split)."""
 
@@ -562,6 +622,8 @@ def cat(forms: list):
                       forms[0].bits, forms[0].dtype)
     if kinds == {FileBlocks} and len({(f.type, f.k) for f in forms}) == 1:  # one copy of the layer's rows
         return FileBlocks(np.concatenate([f.raw for f in forms]), forms[0].type, forms[0].k)
+    if kinds == {FileTiles} and len({(f.type, f.k) for f in forms}) == 1:
+        return FileTiles(np.concatenate([f.tiles for f in forms]), forms[0].type, forms[0].k)
     if kinds == {Int4} and all(f.n == f.packed.shape[0] for f in forms[:-1]):
         return Int4(torch.cat([f.packed for f in forms]), torch.cat([f.sz for f in forms], 1),
                     sum(f.n for f in forms))
@@ -574,7 +636,7 @@ def cat(forms: list):
 FILE_BLOCKS = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "IQ4_NL", "IQ4_XS")
 
 
-def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
+def resident_form(ggml_type: str, weights: str, dtype: str, device: str, n: int | None = None) -> str:
     """The form a matrix of `ggml_type` is kept in: 'int4', 'int8' (CPU), 'int4_cuda', 'int8_cuda'
     (CUDA: Blocks), the type's name in lower case (CPU: FileBlocks, the file's own bytes), or a dense dtype name.
 
@@ -582,7 +644,8 @@ def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
     which beat the blocks' products there (Qwen's Q8_0 head 1.8x); else the file's blocks where the AVX2 byte-product
     kernel takes the type (1.3x torch's int4 GEMV on SmolLM2's Q4_1), else int4 tiles for torch's GEMV; the other
     types FILE_BLOCKS lists in the file's blocks; CUDA: Blocks for the Triton kernel; else dense at the compute
-    dtype), f16, f32."""
+    dtype), f16, f32. Where ggml_tiles' AVX2 kernel runs and the VNNI one does not, its types as 8 rows' blocks
+    regrouped ('q5_0x8', FileTiles) when the matrix's n rows (None: any) are whole tiles."""
     if weights != "native":
         return weights
     if device == "cuda" and ggml_type in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
@@ -593,9 +656,16 @@ def resident_form(ggml_type: str, weights: str, dtype: str, device: str) -> str:
             return tiles
         if ggml_type != "Q8_0" and table.choose(PRODUCT, "cpu", "ggml", ggml_type=ggml_type).run is not _file_blocks_dot:
             return tiles
+    if device == "cpu" and ggml_type in _tile_types() and (n is None or n % 8 == 0):
+        return f"{ggml_type.lower()}x8"
     if device == "cpu" and ggml_type in FILE_BLOCKS:
         return ggml_type.lower()
     return dtype
+
+
+def matrix_rows(tensor) -> int:
+    """A GGUF matrix's row count N (its dims after the first, which is K)."""
+    return int(np.prod([int(s) for s in tensor.shape[1:]]))
 
 
 def resident_bytes(form: str, n: int, k: int) -> int:
@@ -609,10 +679,10 @@ def resident_bytes(form: str, n: int, k: int) -> int:
         return n * k // 2 + n * (k // GROUP) * 4
     if form == "int8_cuda":  # codes, f16 scale
         return n * k + n * (k // GROUP) * 2
-    if form.upper() in FILE_BLOCKS:  # the file's own blocks
+    if form.upper().removesuffix("X8") in FILE_BLOCKS:  # the file's own blocks (x8: 8 rows' regrouped, as many)
         import gguf
 
-        elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[form.upper()]]
+        elements, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[form.upper().removesuffix("X8")]]
         return n * k // elements * block_bytes
     return n * k * _DENSE[form].itemsize
 
@@ -626,8 +696,8 @@ _RECORDS = {"Q4_0": [("d", "<f2"), ("qs", "u1", 16)], "Q4_1": [("d", "<f2"), ("m
 
 def _blocks(tensor) -> np.ndarray:
     """A quantized tensor's bytes as (N, K / block) records over the memory map (no copy)."""
-    n = int(np.prod([int(s) for s in tensor.shape[1:]]))
-    return np.asarray(tensor.data).reshape(-1).view(np.dtype(_RECORDS[tensor.tensor_type.name])).reshape(n, -1)
+    return np.asarray(tensor.data).reshape(-1).view(np.dtype(_RECORDS[tensor.tensor_type.name])) \
+        .reshape(matrix_rows(tensor), -1)
 
 
 # Byte offsets of the f16 fields (d, and m or dmin) in each FileBlocks type's block (ggml-common.h).
@@ -707,12 +777,15 @@ def random_int4(form: str, n: int, k: int, generator: torch.Generator, dtype: st
     return Blocks(codes, scale, -7.5 * scale, 4, _DENSE[dtype])
 
 
-def random_q4_0(n: int, k: int, generator: torch.Generator, std: float = 0.02) -> FileBlocks:
-    """A random (n, k) Q4_0 matrix in the file's blocks (a synthetic model's on a CPU that keeps Q4_0 so): uniform
-    random code bytes, every block's f16 d = s, W = (q - 8) s of standard deviation about `std`."""
+def random_q4_0(n: int, k: int, generator: torch.Generator, form: str = "q4_0", std: float = 0.02) -> FileBlocks:
+    """A random (n, k) Q4_0 matrix in the file's blocks (a synthetic model's on a CPU that keeps Q4_0 so; form q4_0x8:
+    regrouped as FileTiles): uniform random code bytes, every block's f16 d = s, W = (q - 8) s of standard deviation
+    about `std`."""
     s = std / (255 / 12 + 0.25) ** 0.5  # q - 8, q uniform 0..15: mean -0.5, mean square 255 / 12 + 0.25
     raw = torch.randint(0, 256, (n, k // 32, 18), generator=generator, dtype=torch.uint8).numpy()
     raw[..., :2] = np.array([s], np.float16).view(np.uint8)
+    if form == "q4_0x8":
+        return FileTiles.of(raw.reshape(n, -1), "Q4_0", k)
     return FileBlocks(raw.reshape(n, -1), "Q4_0", k)
 
 
@@ -750,10 +823,12 @@ def load(tensor, form: str, dtype: str = "f32"):
         # so the slabs join in place
         return cat([Int8.from_codes(torch.from_numpy(np.ascontiguousarray(b["qs"][s : s + SLAB_ROWS])).flatten(1),
                                     d[s : s + SLAB_ROWS]) for s in range(0, len(b), SLAB_ROWS)])
-    n, k = (int(np.prod([int(s) for s in tensor.shape[1:]])), int(tensor.shape[0]))
-    if form.upper() in FILE_BLOCKS:  # the memory map's bytes as they lie: no copy, nothing decoded
+    n, k = matrix_rows(tensor), int(tensor.shape[0])
+    if form.upper().removesuffix("X8") in FILE_BLOCKS:  # the memory map's bytes as they lie: no copy, nothing decoded
         raw = np.asarray(tensor.data).reshape(n, -1)
         _check_file_scales(tensor.name, raw, tensor.tensor_type.name)
+        if form.endswith("x8"):  # 8 rows' blocks regrouped for the AVX2 decode kernel: a copy
+            return FileTiles.of(raw, tensor.tensor_type.name, k)
         return FileBlocks(raw, tensor.tensor_type.name, k)
     w = torch.empty(n, k, dtype=_DENSE[form])
     for s in range(0, n, SLAB_ROWS):  # a slab of rows in f32 at a time: peak = the result plus one slab
@@ -802,11 +877,11 @@ def _slab_products(form: Int4, x: torch.Tensor, dtype: torch.dtype, slab=None) -
     return y if Np == form.n else y[..., : form.n].contiguous()
 
 
-def _file_slab_products(form: FileBlocks, x: torch.Tensor, slab) -> torch.Tensor:
+def _file_slab_products(form: FileBlocks, x: torch.Tensor, slab, rows_a_step: int = 1) -> torch.Tensor:
     """x @ W.T for a FileBlocks form by f32 slabs of W (slab(start, stop) -> W.T's slab (K, stop - start)), each
-    product taken before the next slab (which may reuse the scratch)."""
+    product taken before the next slab (which may reuse the scratch); slabs a multiple of rows_a_step rows."""
     N, K = form.shape
-    step = max(1, SLAB_ELEMS // K)
+    step = max(rows_a_step, SLAB_ELEMS // K // rows_a_step * rows_a_step)
     parts = [x @ slab(s, min(s + step, N)) for s in range(0, N, step)]
     return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
 
@@ -837,6 +912,27 @@ _file_blocks_numba, _file_blocks_dot = _file_blocks_product("ggml_rows"), _file_
 
 def _dot_types() -> tuple[str, ...]:
     return _cpu_kernel("vectors").DOT_TYPES if _numba_ready() else ()
+
+
+def _tile_types() -> tuple[str, ...]:
+    """The types kept as FileTiles: those of ggml_tiles' kernel, where the CPU runs it and the VNNI one does not."""
+    if not _numba_ready() or table.choose(PRODUCT, "cpu", "ggml_tiles").run is not _file_tiles_dot:
+        return ()
+    return _cpu_kernel("vectors").TILE_TYPES
+
+
+def _tiles_slab(form: FileTiles, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """ROWS for FileTiles: the rows put back in the file's order, then decoded as FileBlocks' (_file_slab)."""
+    return _file_slab(FileBlocks(form.file_rows(start, stop), form.type, form.k), 0, stop - start, dtype)
+
+
+def _file_tiles_dot(form: FileTiles, x: torch.Tensor) -> torch.Tensor:
+    """PRODUCT's run for FileTiles: up to FILE_GEMV_ROWS rows by ggml_tiles' kernel, a batch by f32 slabs + GEMM."""
+    rows = _rows(x)
+    if rows > FILE_GEMV_ROWS:
+        return _file_slab_products(form, x, lambda start, stop: _tiles_slab(form, start, stop), form.per_tile)
+    y = _cpu_kernel("ggml_tiles").matmul(form.type, form.tiles, x.reshape(rows, form.k).contiguous().numpy())
+    return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
 
 
 def _int4_batch(form: Int4, x: torch.Tensor, rows: int) -> torch.Tensor | None:
@@ -974,9 +1070,16 @@ for _entry in (
           "activations) to FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_dot, isa=AVX2,
           covers=lambda ggml_type=None, **_: ggml_type in _dot_types(), ready=_numba_ready, tol=DOT_TOL,
           why="decode's rows on the codes, 32 a product in byte lanes (the slab kernel widens each to f32)"),
+    Entry(PRODUCT, "cpu", frozenset({"ggml_tiles"}), "kvcli/kernels/cpu/ggml_tiles.py (AVX2 byte products, 8 rows "
+          "a vector, 15-bit activations) to FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_tiles_dot, isa=AVX2,
+          ready=_numba_ready, tol=DOT_TOL,
+          why="decode's rows on the codes with 8 rows' sums in one vector: scales, conversions and sums once for 8"),
     Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors) to "
           "FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_numba, ready=_numba_ready,
           why="the file's blocks decoded a slab of rows at a time, in the core's cache, for every row of x"),
+    Entry(ROWS, "cpu", frozenset({"ggml_tiles"}), "kvcli/kernels/cpu/ggml_tiles.py untile, then ggml_rows.py",
+          _tiles_slab, covers=lambda dtype=None, **_: dtype == torch.float32, ready=_numba_ready,
+          why="the tiles' rows put back in the file's order in one pass, then decoded as the file's blocks"),
     Entry(ROWS, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors)", _file_slab,
           covers=lambda dtype=None, **_: dtype == torch.float32, ready=_numba_ready,
           why="one pass over the blocks where gguf-py's numpy takes several"),
@@ -1015,6 +1118,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 # Each form kind, the device its form lives on, and what it is.
 _KINDS = (("int4", "cpu", "Q4_0 / Q4_1 / Q4_K on CPU with AVX512-VNNI, or without AVX2"),
           ("int8", "cpu", "Q8_0 on CPU with AVX512-VNNI"),
+          ("ggml_tiles", "cpu", "Q4_0-Q8_0 / Q4_K-Q6_K on CPU with AVX2 and without AVX512-VNNI, 8 rows' blocks regrouped"),
           ("ggml", "cpu", "the other ggml types on CPU, in the file's blocks"),
           ("int4_cuda", "cuda", "Q4_* on CUDA"), ("int8_cuda", "cuda", "Q8_0 on CUDA"))
 

@@ -17,7 +17,7 @@ from kvcli.llama import Llama
 from kvcli.sampler import Sampler
 from kvcli.shapes import weight_bytes
 from kvcli.errors import KvcliError
-from kvcli.weights import DOT_TOL, F16_FIELDS, FILE_BLOCKS, FileBlocks, _check_file_scales, load, resident_form
+from kvcli.weights import DOT_TOL, F16_FIELDS, FILE_BLOCKS, FileBlocks, FileTiles, _check_file_scales, load, resident_form
 from tests.test_weights import assert_products_near_f64, runnable
 from tests.tiny import make_hf_model, write_gguf
 
@@ -75,8 +75,12 @@ def test_decoders_equal_gguf_py(ggml_type):
 
 
 def product_params() -> list:
-    return [pytest.param(e, id=e.isa) for e in table.entries(PRODUCT) if "ggml" in e.keys and e.device == "cpu"] \
-        + [pytest.param(table.reference(PRODUCT), id="reference")]
+    return [pytest.param(e, id=f"{e.isa}-{min(e.keys)}") for e in table.entries(PRODUCT)
+            if e.keys & {"ggml", "ggml_tiles"} and e.device == "cpu"] + [pytest.param(table.reference(PRODUCT), id="reference")]
+
+
+def tile_types() -> list:
+    return list(importlib.import_module("kvcli.kernels.cpu.vectors").TILE_TYPES)
 
 
 @pytest.mark.parametrize("entry", product_params())
@@ -85,11 +89,14 @@ def test_each_product_entry_equals_dequantized_f64(ggml_type, entry):
     """x W.T against W = gguf-py's values times x in f64 at every path's row counts, x with a zero block and columns
     of different scales: f32 arithmetic, so within 2^-18 of sum |x| |w| per output."""
     runnable(entry)
-    if not entry.covers(ggml_type=ggml_type):
+    tiled = "ggml_tiles" in entry.keys
+    if not entry.covers(ggml_type=ggml_type) or tiled and ggml_type not in tile_types():
         pytest.skip(f"{entry.name}: not for {ggml_type}")
     QK, _ = ggml_rows.TYPES[ggml_type]
     N, K = 37, 2 * max(QK, 128)
     form = FileBlocks(adversarial(ggml_type, N, K, seed=1), ggml_type, K)
+    if tiled:  # whole tiles of 8 rows
+        form = FileTiles.of(adversarial(ggml_type, 40, K, seed=1), ggml_type, K)
     w = torch.from_numpy(gguf.quants.dequantize(form.raw, gguf.GGMLQuantizationType[ggml_type])).double()
     assert_products_near_f64(entry, form, w, ROW_COUNTS, lambda x, w: product_bound(entry, x, w))
 
@@ -107,22 +114,23 @@ def product_bound(entry, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
 
 def decode_kernels() -> list:
     """The decode kernels this machine runs: the f32 slabs, and the byte products where the CPU has AVX2."""
-    dot = [pytest.param("ggml_dot", id="ggml_dot")] if table.has(table.AVX2) else \
-        [pytest.param("ggml_dot", marks=pytest.mark.skip(reason="ggml_dot needs AVX2"), id="ggml_dot")]
-    return [pytest.param("ggml_rows", id="ggml_rows")] + dot
+    avx2 = [] if table.has(table.AVX2) else [pytest.mark.skip(reason="needs AVX2")]
+    return [pytest.param("ggml_rows", id="ggml_rows")] + [pytest.param(k, marks=avx2, id=k) for k in ("ggml_dot", "ggml_tiles")]
 
 
 @pytest.mark.parametrize("kernel", decode_kernels())
-@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q5_0", "Q6_K", "IQ4_XS"])
+@pytest.mark.parametrize("ggml_type", ["Q4_1", "Q5_0", "Q4_K", "Q6_K", "IQ4_XS"])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type, kernel):
     """Decode's rows: a row's product alone equals the same row beside 3 others and at -t 1 and -t 2, bit for bit
     (the server's slots, and a sequence's answer at any thread count)."""
     module = importlib.import_module(f"kvcli.kernels.cpu.{kernel}")
-    if kernel == "ggml_dot" and ggml_type not in module.DOT_TYPES:
+    if ggml_type not in getattr(module, {"ggml_dot": "DOT_TYPES", "ggml_tiles": "TILE_TYPES"}.get(kernel, "KINDS")):
         pytest.skip(f"{kernel} does not take {ggml_type}")
     QK, _ = ggml_rows.TYPES[ggml_type]
     K = 2 * max(QK, 128)
-    raw = adversarial(ggml_type, 203, K, seed=2)
+    raw = adversarial(ggml_type, 208, K, seed=2)
+    if kernel == "ggml_tiles":
+        raw = module.retile(ggml_type, raw)
     x = np.random.default_rng(3).standard_normal((4, K)).astype(np.float32)
     before = torch.get_num_threads()
     try:
@@ -165,11 +173,31 @@ def test_load_keeps_the_files_bytes_in_place(tmp_path):
     """A Q5_0 matrix loads as a read-only view of the file's memory map: its bytes, no copy, nothing decoded."""
     g = open_gguf(_model(tmp_path, "Q5_0"))
     t = g.tensors["blk.0.ffn_down.weight"]
-    form = load(t, resident_form("Q5_0", "native", "f32", "cpu"))
+    form = load(t, "q5_0")
     assert isinstance(form, FileBlocks) and form.name == "q5_0"
     assert form.nbytes == t.n_bytes and np.shares_memory(form.raw, np.asarray(t.data))
     assert not form.raw.flags.writeable
     np.testing.assert_array_equal(form.dequantize().numpy(), read_tensor(g, "blk.0.ffn_down.weight"))
+
+
+@pytest.mark.parametrize("ggml_type", TYPES)
+def test_tiles_hold_the_files_bytes(ggml_type):
+    """FileTiles (8 rows' blocks regrouped, ggml_tiles.retile) hold the file's bytes, each exactly once: put back,
+    whole or any run of rows, they are the file's; its bytes are the file's count; its embedding rows and slabs
+    equal FileBlocks'."""
+    if ggml_type not in tile_types():
+        pytest.skip(f"ggml_tiles does not take {ggml_type}")
+    K = 2 * max(ggml_rows.TYPES[ggml_type][0], 128)
+    raw = adversarial(ggml_type, 48, K, seed=5)
+    form = FileTiles.of(raw, ggml_type, K)
+    blocks = FileBlocks(raw, ggml_type, K)
+    assert form.shape == (48, K) and form.nbytes == raw.nbytes and not form.tiles.flags.writeable
+    np.testing.assert_array_equal(form.raw, raw)
+    for start, stop in ((0, 48), (3, 5), (8, 16), (13, 41), (47, 48)):
+        np.testing.assert_array_equal(form.file_rows(start, stop), raw[start:stop])
+    ids = torch.tensor([[47, 0], [9, 9]])
+    assert torch.equal(form.rows(ids), blocks.rows(ids))
+    assert torch.equal(form.slab_t(5, 30), blocks.slab_t(5, 30))
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "IQ4_NL", "Q8_0"])
@@ -178,12 +206,12 @@ def test_tiny_model_in_file_blocks_equals_f32_weights(tmp_path, qtype, tied):
     """Greedy tokens and logits of a tiny model of each 32-element type no packed form takes (Q8_0 where the int8-dot
     kernel does not run) with native weights equal --weights f32's: the same values, f32 products; the plan counts
     the resident bytes, the file's. (The 256-element types: tests/test_kquant_fixtures.py's llama-quantize files.)"""
-    if resident_form(qtype, "native", "f32", "cpu") != qtype.lower():
+    if resident_form(qtype, "native", "f32", "cpu").removesuffix("x8") != qtype.lower():
         pytest.skip(f"{qtype} is kept as {resident_form(qtype, 'native', 'f32', 'cpu')} here (tests/test_weights.py)")
     path = _model(tmp_path, qtype, tied)
     native = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32")
     exact = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32", weights="f32")
-    assert {f.kind for f in native.model.forms().values()} == {"ggml"}
+    assert {f.kind for f in native.model.forms().values()} <= {"ggml", "ggml_tiles"}
     ids = list(range(5, 45))  # one prompt batch (the slabs' GEMM) then decode's rows
     torch.testing.assert_close(native.logits(ids), exact.logits(ids), rtol=1e-4, atol=1e-4)
     prompt = [7, 100, 33]

@@ -210,7 +210,7 @@ def test_tiny_model_with_blocks_equals_f32(tmp_path, monkeypatch, blocks_entry_o
     batch through the slabs, decode steps through the kernel, against --weights f32 (the same values)."""
     path = _quantized_model(tmp_path, Q.Q4_1, tied=True)
     exact = Llama(path, ctx_size=32, dtype="f32", cache_type_k="f32", cache_type_v="f32", weights="f32")
-    monkeypatch.setattr("kvcli.llama.resident_form", lambda t, w, dt, dev: resident_form(t, w, dt, "cuda"))
+    monkeypatch.setattr("kvcli.llama.resident_form", lambda t, w, dt, dev, n=None: resident_form(t, w, dt, "cuda", n))
     llm = Llama(path, ctx_size=32, dtype="f32", cache_type_k="f32", cache_type_v="f32")
     assert {f.kind for f in llm.model.forms().values()} == {"int4_cuda"}
     types = {n: t.tensor_type.name for n, t in llm.gguf.tensors.items()}
@@ -237,7 +237,7 @@ def test_synthetic_shape_native_weights_are_packed():
     """--shape with native weights: 4-bit forms (CPU: as resident_form keeps Q4_0, int4 tiles or the file's blocks),
     counted as planned; f16 weights stay dense."""
     q4_0 = weights.resident_form("Q4_0", "native", "f16", "cpu")
-    native = {"ggml"} if q4_0 == "q4_0" else {"int4"} if q4_0 == "int4" else {"f16"}
+    native = {"q4_0": {"ggml"}, "q4_0x8": {"ggml_tiles"}, "int4": {"int4"}}.get(q4_0, {"f16"})
     for w, kinds in (("native", native), ("f16", {"f16"})):
         llm = Llama(shape="smollm2-135m", ctx_size=16, weights=w)
         assert {f.kind if f.kind != "dense" else f.name for f in llm.model.forms().values()} == kinds
@@ -249,7 +249,7 @@ def test_synthetic_shape_gets_the_cuda_form(monkeypatch):
     """On CUDA a --shape model's native matrices are Blocks: here on CPU, the device choice forced,
     counted as the CUDA plan counts them (their products: test_tiny_model_with_blocks_equals_f32)."""
     real = weights.resident_form
-    monkeypatch.setattr(weights, "resident_form", lambda t, w, dt, dev: real(t, w, dt, "cuda"))
+    monkeypatch.setattr(weights, "resident_form", lambda t, w, dt, dev, n=None: real(t, w, dt, "cuda", n))
     llm = Llama(shape="smollm2-135m", ctx_size=16, dtype="f32")
     assert {f.kind for f in llm.model.forms().values()} == {"int4_cuda"}
     assert weight_bytes(llm.config, "f32", False, "native", synthetic_types(llm.config)) == llm.model.weight_bytes()

@@ -1063,3 +1063,194 @@ if numba is not None:
         return intrinsic(typer)
 
     ggml_row_dots1, ggml_row_dots2, ggml_row_dots3, ggml_row_dots4 = (_row_dots_intrinsic(g) for g in (1, 2, 3, 4))
+
+
+# ---- 8 rows' blocks interleaved (ggml_tiles.py): the same 16-bit products with 8 rows in one vector's lanes ----
+TILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+TILE_ROWS = 8  # rows of W a tile interleaves: one int32 / f32 lane each
+
+
+def ggml_tile_dots(kind, tiles, lo, hi, xi, xs, xsum, g0, y):
+    """Compiled only (ggml_tile_dots1..4: rows g0.. of x, 1-4 of them): y[g0 + g, 8 t + r] = x[g0 + g] . W[8 t + r]
+    for the tiles lo <= t < hi of TILE_TYPES[kind], tiles (N / 8, K / QK blocks x 8 block bytes) uint8 as
+    ggml_tiles.retile lays them: per block of QK columns, the 8 rows' blocks in 16-bit units, unit u of row r at
+    unit 8 u + r (Q5_0 / Q5_1's fifth bits regrouped by lane, ggml_tiles). A code run, 16 bytes of one unit of the
+    8 rows, widened to 16-bit lanes holds 8 rows' codes of two columns (low nibbles: 2c, 2c + 1; high: those of the
+    next sub-block or half); each meets x's pair of columns (one 32-bit word splat) in vpmaddwd, so each row's sum
+    stays in its own int32 lane over a sub-block (exact); then one f32 fma for the 8 rows with their scales times
+    sx, and one for their mins (or Q4_0 / Q5_0's offset) times xsum. x as in ggml_row_dots."""
+    raise NotImplementedError
+
+
+if numba is not None:
+
+    def _tile_body(name, builder, at, unit_bytes, run, f16s, bytes8, madd, scale, mins):
+        """One block of 8 rows of type `name` at address `at`, emitted in the order its codes are made (each run's
+        codes consumed at once: nothing held across the block): madd(slot, codes <16 x i16>, column) adds the int32
+        sums of codes times x's pair of columns there into the sums `slot`; scale(slot, coef 8 x f32, column) adds
+        those sums times coef times sx of the 32 columns at column into the rows' f32 sums (and clears the slot);
+        mins(coef, column): coef times xsum of those 32 columns. run(unit): that unit's code run widened (zext) to 16
+        lanes; f16s(unit): the 8 rows' f16 there as 8 x f32; bytes8(byte): the 8 rows' byte `byte` of their block
+        (zext to 8 x i32)."""
+        s16 = lambda v: ir.Constant(_V16S, [v] * 16)  # noqa: E731
+        f8 = lambda v: ir.Constant(_V8F, [v] * 8)  # noqa: E731
+        i8 = lambda v: ir.Constant(_V8I, [v] * 8)  # noqa: E731
+        if name in ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0"):
+            d = f16s(0)
+            has_min = name in ("Q4_1", "Q5_1")
+            first = 1 + has_min + 2 * (name in ("Q5_0", "Q5_1"))  # the first code unit
+            for c in range(16 if name == "Q8_0" else 8):
+                if name == "Q8_0":
+                    raw = ir_load(builder, builder.add(at, ir.Constant(_I64, unit_bytes * (1 + c))), _V16B)
+                    madd(0, builder.sext(raw, _V16S), 2 * c)
+                    continue
+                wide = run(first + c)
+                halves = [builder.and_(wide, s16(15)), builder.lshr(wide, s16(4))]
+                for h in (0, 1):
+                    if name in ("Q5_0", "Q5_1"):  # run c's words: bit l of word h is lane l's fifth bit
+                        word = ir_load(builder, builder.add(at, ir.Constant(_I64, unit_bytes * (1 + has_min) + 4 * c + 2 * h)),
+                                       ir.IntType(16))
+                        one = builder.insert_element(ir.Constant(_V16S, None), word, ir.Constant(_I32, 0))
+                        bits = builder.and_(builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 16), [0] * 16)),
+                                            ir.Constant(_V16S, [1 << j for j in range(16)]))
+                        halves[h] = builder.or_(halves[h], builder.select(builder.icmp_unsigned("!=", bits, s16(0)),
+                                                                          s16(16), s16(0)))
+                    madd(0, halves[h], 16 * h + 2 * c)
+            scale(0, d, 0)
+            if has_min:
+                mins(f16s(1), 0)
+            elif name in ("Q4_0", "Q5_0"):  # unsigned codes: the offset meets xsum as a min would
+                mins(builder.fmul(d, f8(-8.0 if name == "Q4_0" else -16.0)), 0)
+        elif name in ("Q4_K", "Q5_K"):
+            d, dmin = f16s(0), f16s(1)
+            q = lambda j: bytes8(4 + j)  # noqa: E731  the 12 scale bytes from byte 4
+            first = 8 + 16 * (name == "Q5_K")  # qs' first unit (Q5_K: qh's 16 units before)
+            for j in range(4):
+                for c in range(16):
+                    wide = run(first + 16 * j + c)
+                    qh = run(8 + c) if name == "Q5_K" else None  # qh[l] bit 2j + h: element l of sub-block 2j + h
+                    for h, v in enumerate((builder.and_(wide, s16(15)), builder.lshr(wide, s16(4)))):
+                        if qh is not None:
+                            v = builder.or_(v, builder.shl(builder.and_(builder.lshr(qh, s16(2 * j + h)), s16(1)), s16(4)))
+                        madd(h, v, 64 * j + 32 * h + 2 * c)
+                for h in (0, 1):
+                    sb = 2 * j + h
+                    if sb < 4:
+                        sc, m = builder.and_(q(sb), i8(63)), builder.and_(q(sb + 4), i8(63))
+                    else:
+                        sc = builder.or_(builder.and_(q(sb + 4), i8(15)), builder.shl(builder.lshr(q(sb - 4), i8(6)), i8(4)))
+                        m = builder.or_(builder.lshr(q(sb + 4), i8(4)), builder.shl(builder.lshr(q(sb), i8(6)), i8(4)))
+                    scale(h, builder.fmul(d, builder.uitofp(sc, _V8F)), 64 * j + 32 * h)
+                    mins(builder.fneg(builder.fmul(dmin, builder.uitofp(m, _V8F))), 64 * j + 32 * h)
+        elif name == "Q6_K":
+            d = f16s(104)
+            for n in range(2):
+                for half in (0, 1):  # columns l = 2c + e of 16 half .. 16 half + 15: sub-blocks of 16, slots q1..q4
+                    for c in range(8 * half, 8 * half + 8):
+                        a, b, hb = run(32 * n + c), run(32 * n + 16 + c), run(64 + 16 * n + c)
+                        low = [builder.and_(a, s16(15)), builder.and_(b, s16(15)), builder.lshr(a, s16(4)),
+                               builder.lshr(b, s16(4))]
+                        for k in range(4):
+                            high = builder.shl(builder.and_(builder.lshr(hb, s16(2 * k)), s16(3)), s16(4))
+                            madd(k, builder.sub(builder.or_(low[k], high), s16(32)), 128 * n + 32 * k + 2 * c)
+                    for k in range(4):  # scale 8n + 2k + half
+                        sc = builder.sitofp(builder.sext(builder.trunc(bytes8(192 + 8 * n + 2 * k + half), _I8V8), _V8I),
+                                            _V8F)
+                        scale(k, builder.fmul(d, sc), 128 * n + 32 * k)
+        else:
+            raise ValueError(name)
+
+    _I8V8 = ir.VectorType(_I8, 8)
+
+    def _tile_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            kind, lo, hi, g0 = args[0], args[2], args[3], args[7]
+            tiles, xi, xs, xsum, y = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 4, 5, 6, 8))
+            K = cgutils.unpack_tuple(builder, xi.shape, 2)[1]
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+            x_i = [ir_at(builder, xi, r) for r in rows]
+            x_s, x_sum = [ir_at(builder, xs, r) for r in rows], [ir_at(builder, xsum, r) for r in rows]
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+            acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
+            c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+            unit_bytes = 2 * TILE_ROWS
+
+            def splat_f(v):
+                one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
+
+            with cgutils.for_range(builder, builder.sub(hi, lo)) as tile:
+                t = builder.add(lo, tile.index)
+                for g in range(ng):
+                    builder.store(ir.Constant(_V8F, [0.0] * 8), acc[g])
+                t_row = ir_at(builder, tiles, t)
+                end = builder.append_basic_block("tiles.end")
+                switch = builder.switch(kind, end)
+                for k, name in enumerate(TILE_TYPES):
+                    case = builder.append_basic_block(f"tiles.{name}")
+                    switch.add_case(ir.Constant(_I64, k), case)
+                    builder.position_at_end(case)
+                    qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+                    with cgutils.for_range(builder, builder.udiv(K, c64(qk))) as blk:
+                        b = blk.index
+                        at = builder.add(t_row, builder.mul(b, c64(bb * TILE_ROWS)))
+                        col0 = builder.mul(b, c64(qk))  # the block's first column
+
+                        def run(unit, at=at):
+                            return builder.zext(ir_load(builder, builder.add(at, c64(unit_bytes * unit)), _V16B), _V16S)
+
+                        def pair(g, col, col0=col0):
+                            addr = builder.add(x_i[g], builder.mul(builder.add(col0, c64(col)), c64(2)))
+                            one = builder.insert_element(ir.Constant(_V8I, None), ir_load(builder, addr, _I32),
+                                                         ir.Constant(_I32, 0))
+                            return builder.bitcast(builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8)), _V16S)
+
+                        def f16s(unit, at=at):
+                            return builder.fpext(ir_load(builder, builder.add(at, c64(unit_bytes * unit)),
+                                                         ir.VectorType(ir.HalfType(), 8)), _V8F)
+
+                        def bytes8(byte, at=at):  # byte `byte` of the 8 rows' blocks: in unit byte // 2, every other
+                            v = ir_load(builder, builder.add(at, c64(unit_bytes * (byte // 2))), _V16B)
+                            pick = builder.shuffle_vector(v, v, ir.Constant(_V8I, [2 * r + byte % 2 for r in range(8)]))
+                            return builder.zext(pick, _V8I)
+
+                        def per_32(arr, g, col, col0=col0):  # xs / xsum of row g for the 32 columns at col
+                            at32 = builder.udiv(builder.add(col0, c64(col)), c64(32))
+                            return splat_f(ir_load(builder, builder.add(arr[g], builder.mul(at32, c64(4))), _F32))
+
+                        isums = {}  # slot -> per row of x, the int32 sums so far (None: empty)
+
+                        def madd(slot, codes, col):
+                            sums = isums.setdefault(slot, [None] * ng)
+                            for g in range(ng):
+                                p = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, codes, pair(g, col))
+                                sums[g] = p if sums[g] is None else builder.add(sums[g], p)
+
+                        def scale(slot, coef, col):
+                            sums = isums.pop(slot)
+                            for g in range(ng):
+                                builder.store(builder.call(fma, [builder.sitofp(sums[g], _V8F),
+                                                                 builder.fmul(coef, per_32(x_s, g, col)),
+                                                                 builder.load(acc[g])]), acc[g])
+
+                        def mins(coef, col):
+                            for g in range(ng):
+                                builder.store(builder.call(fma, [coef, per_32(x_sum, g, col), builder.load(acc[g])]), acc[g])
+
+                        _tile_body(name, builder, at, unit_bytes, run, f16s, bytes8, madd, scale, mins)
+                    builder.branch(end)
+                builder.position_at_end(end)
+                for g in range(ng):
+                    ir_store(builder, builder.load(acc[g]), ir_at(builder, y, rows[g], builder.mul(t, c64(TILE_ROWS))))
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _tile_intrinsic(ng: int):
+        def typer(typingctx, kind, tiles, lo, hi, xi, xs, xsum, g0, y):
+            i = types.int64
+            return types.none(i, tiles, i, i, xi, xs, xsum, i, y), _tile_codegen(ng)
+
+        return intrinsic(typer)
+
+    ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4 = (_tile_intrinsic(g) for g in (1, 2, 3, 4))

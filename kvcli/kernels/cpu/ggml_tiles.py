@@ -1,0 +1,139 @@
+"""Decode's products on 8 rows' blocks interleaved: ggml_dot's 16-bit integer products with 8 rows of W in one
+vector's lanes (AVX2), the idea of llama.cpp's repacked q4_0_8x8 for its gemv.
+
+ggml_dot reads one row's block at a time: per 32 codes it unpacks, converts its int32 sums to f32, scales and adds,
+and at the row's end sums 8 lanes; a third of its instructions go to what is per block, not per code. Here a tile
+holds 8 rows' blocks of the same 32 columns (retile: the same bytes, reordered, so the same size): a run of 16
+code bytes widened to 16-bit lanes holds 8 rows' codes of two columns, one x pair (a splat 32-bit word) meets them
+in vpmaddwd, and each row's sum stays in its own int32 lane over the block; per block and 8 rows one conversion, one
+fma with the 8 scales (one vcvtph2ps) times sx and one with the mins times xsum. x as ggml_dot quantizes it. A row's
+bits do not depend on the rows beside it nor on the thread count. Types: vectors.TILE_TYPES; rows a multiple of 8.
+"""
+
+from __future__ import annotations
+
+import gguf
+import numpy as np
+
+from .compile import THREADED, available, jit, jit_threaded, numba
+from .ggml_dot import quantize_x
+from .ggml_rows import _threads
+from .vectors import TILE_ROWS, TILE_TYPES
+
+if numba is not None:
+    from .vectors import ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4
+
+__all__ = ["TILE_ROWS", "TILE_TYPES", "available", "matmul", "retile", "untile", "warm_up"]
+
+
+@jit_threaded
+def _to_tiles(raw, tiles, lo, hi, units, qh):
+    """tiles[lo..hi-1] (T, 8 row units) <- raw (8 T, row units), in 16-bit units (every field starts at an even
+    byte): unit u of a row's block -> unit 8 u + r of the tile's; Q5_0 / Q5_1's fifth bits (qh >= 0: the first of
+    their two units) regrouped by lane: element 2c + e + 16h of row r -> bit 2r + e of the word at unit qh + (2c +
+    h) // 8's place (2c + h) % 8."""
+    for t in numba.prange(lo, hi):
+        for b in range(raw.shape[1] // units):
+            o, src = 8 * b * units, b * units
+            for u in range(units):
+                for r in range(8):
+                    tiles[t, o + 8 * u + r] = raw[8 * t + r, src + u]
+            if qh >= 0:
+                for k in range(16):  # word (c, h) = (k // 2, k % 2)
+                    shift = 2 * (k // 2) + 16 * (k % 2)
+                    word = np.uint32(0)
+                    for r in range(8):
+                        bits = np.uint32(raw[8 * t + r, src + qh]) | (np.uint32(raw[8 * t + r, src + qh + 1]) << 16)
+                        word |= ((bits >> shift) & 3) << (2 * r)
+                    tiles[t, o + 8 * qh + k] = np.uint16(word)
+
+
+@jit
+def _from_tiles(tiles, raw, lo, hi, units, qh):
+    """_to_tiles' inverse for tiles lo..hi-1 into raw's rows 0 .. 8 (hi - lo) - 1."""
+    for t in range(lo, hi):
+        for b in range(raw.shape[1] // units):
+            o, dst = 8 * b * units, b * units
+            for u in range(units):
+                for r in range(8):
+                    raw[8 * (t - lo) + r, dst + u] = tiles[t, o + 8 * u + r]
+            if qh >= 0:
+                for r in range(8):
+                    bits = np.uint32(0)
+                    for k in range(16):
+                        bits |= ((np.uint32(tiles[t, o + 8 * qh + k]) >> (2 * r)) & 3) << (2 * (k // 2) + 16 * (k % 2))
+                    raw[8 * (t - lo) + r, dst + qh] = np.uint16(bits & 0xFFFF)
+                    raw[8 * (t - lo) + r, dst + qh + 1] = np.uint16(bits >> 16)
+
+
+def _layout(ggml_type: str) -> tuple[int, int]:
+    """(a block's 16-bit units, the first unit of its fifth bits to regroup or -1)."""
+    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
+    return block // 2, {"Q5_0": 1, "Q5_1": 2}.get(ggml_type, -1)
+
+
+def _units(a: np.ndarray) -> np.ndarray:
+    return a.reshape(-1).view(np.uint16).reshape(a.shape[0], -1)
+
+
+def retile(ggml_type: str, raw: np.ndarray) -> np.ndarray:
+    """raw (N, row bytes) of the file's blocks, N a multiple of 8 -> tiles (N / 8, row bytes x 8) as
+    vectors.ggml_tile_dots reads them: the same bytes reordered."""
+    tiles = np.empty((raw.shape[0] // TILE_ROWS, raw.shape[1] * TILE_ROWS), np.uint8)
+    _threads()
+    _to_tiles(_units(np.ascontiguousarray(raw)), _units(tiles), 0, tiles.shape[0], *_layout(ggml_type))
+    return tiles
+
+
+def untile(ggml_type: str, tiles: np.ndarray, lo: int = 0, hi: int | None = None) -> np.ndarray:
+    """retile's inverse for tiles lo..hi-1: the file's blocks of rows 8 lo .. 8 hi - 1 (8 (hi - lo), row bytes)."""
+    hi = tiles.shape[0] if hi is None else hi
+    raw = np.empty((TILE_ROWS * (hi - lo), tiles.shape[1] // TILE_ROWS), np.uint8)
+    _from_tiles(_units(tiles), _units(raw), lo, hi, *_layout(ggml_type))
+    return raw
+
+
+@jit
+def _span(kind, tiles, xi, xs, xsum, y, lo, hi):
+    """y[:, 8 lo:8 hi] for tiles lo..hi-1: x's rows by groups of 4, the rest by 3, 2 or 1."""
+    M = xi.shape[0]
+    g0 = 0
+    while g0 < M:
+        g = M - g0
+        if g >= 4:
+            ggml_tile_dots4(kind, tiles, lo, hi, xi, xs, xsum, g0, y)
+        elif g == 3:
+            ggml_tile_dots3(kind, tiles, lo, hi, xi, xs, xsum, g0, y)
+        elif g == 2:
+            ggml_tile_dots2(kind, tiles, lo, hi, xi, xs, xsum, g0, y)
+        else:
+            ggml_tile_dots1(kind, tiles, lo, hi, xi, xs, xsum, g0, y)
+        g0 += min(g, 4)
+
+
+@jit_threaded
+def _threaded(kind, tiles, xi, xs, xsum, y, threads):
+    T = tiles.shape[0]
+    for t in numba.prange(threads):
+        _span(kind, tiles, xi, xs, xsum, y, T * t // threads, T * (t + 1) // threads)
+
+
+def matmul(ggml_type: str, tiles: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x (M, K) f32 contiguous -> x W.T (M, N) f32, W's blocks as retile lays them in tiles (N / 8, ...)."""
+    M, K = x.shape
+    xi, xs, xsum = np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+    quantize_x(x, xi, xs, xsum)
+    y = np.empty((M, tiles.shape[0] * TILE_ROWS), np.float32)
+    kind = TILE_TYPES.index(ggml_type)
+    threads = _threads()
+    if threads > 1 and THREADED:
+        _threaded(kind, tiles, xi, xs, xsum, y, threads)
+    else:
+        _span(kind, tiles, xi, xs, xsum, y, 0, tiles.shape[0])
+    return y
+
+
+def warm_up() -> None:
+    tiles = np.zeros((1, 8 * 22), np.uint8)
+    tiles.setflags(write=False)
+    matmul("Q5_0", tiles, np.zeros((1, 32), np.float32))
