@@ -152,14 +152,14 @@ def _tensor_types(gguf_model) -> dict[str, str]:
 def resident_table(gguf_model, dtype: str, weights: str = "native", device: str = "cpu") -> list[tuple]:
     """Per GGUF tensor type among the decoder's tensors: (type, resident form, tensors, file bytes, resident bytes)."""
     from kvcli.shapes import resident_weight_bytes
-    from kvcli.weights import matrix_rows, resident_form
+    from kvcli.weights import tensor_form
 
     held = resident_weight_bytes(gguf_model.config, dtype, "output.weight" in gguf_model.tensors, weights,
                                  _tensor_types(gguf_model), device)
     rows: dict[tuple[str, str], list[int]] = {}
     for name, n in held.items():
         t = gguf_model.tensors[name]
-        form = "f32" if len(t.shape) == 1 else resident_form(t.tensor_type.name, weights, dtype, device, matrix_rows(t))
+        form = "f32" if len(t.shape) == 1 else tensor_form(gguf_model.tensors, name, weights, dtype, device)
         r = rows.setdefault((t.tensor_type.name, form), [0, 0, 0])
         r[0], r[1], r[2] = r[0] + 1, r[1] + int(t.n_bytes), r[2] + n
     return [(t, form, *r) for (t, form), r in sorted(rows.items())]

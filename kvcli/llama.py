@@ -25,7 +25,7 @@ from kvcli.errors import KvcliError
 from kvcli.sampler import Sampler
 from kvcli.timings import Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
-from kvcli.weights import WEIGHTS, load, matrix_rows, resident_form
+from kvcli.weights import WEIGHTS, load, tensor_form
 from kvcli.weights import warm_up as weights_warm_up
 from kvcli.weights import rms_norm
 from kvcli.memory import check_fits, return_freed_memory
@@ -153,7 +153,7 @@ class Llama:
                 if len(t.shape) == 1:
                     tensors[n] = torch.from_numpy(read_tensor(self.gguf, n))
                 else:
-                    form = load(t, resident_form(t.tensor_type.name, weights, dtype, device, matrix_rows(t)), dtype)
+                    form = load(t, tensor_form(self.gguf.tensors, n, weights, dtype, device), dtype)
                     tensors[n] = form.to(device) if device != "cpu" else form
                     self.gguf.drop_pages()  # the file's pages read for it: peak = resident + one tensor
         self.device = device

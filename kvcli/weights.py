@@ -504,8 +504,10 @@ class FileTiles(FileBlocks):
         self.per_tile = tiles.shape[1] // (k // elements * block_bytes)  # rows a tile holds
 
     @classmethod
-    def of(cls, raw: np.ndarray, ggml_type: str, k: int) -> FileTiles:
-        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw), ggml_type, k)
+    def of(cls, raw: np.ndarray, ggml_type: str, k: int, mapped: bool = False) -> FileTiles:
+        """Regrouped from raw (N, row bytes); mapped: raw is a view of the file's memory map, whose pages are let
+        go as they are read (they would count in RSS beside the tiles until the load's end)."""
+        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw, _drop_pages if mapped else None), ggml_type, k)
 
     @property
     def raw(self) -> np.ndarray:
@@ -663,9 +665,34 @@ def resident_form(ggml_type: str, weights: str, dtype: str, device: str, n: int 
     return dtype
 
 
+def _drop_pages(mapped: np.ndarray) -> None:
+    """madvise(MADV_DONTNEED) the whole pages inside a contiguous view of a read-only file mapping: the OS takes them
+    back (read again from the file if ever touched)."""
+    import ctypes
+    import mmap
+
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start, end = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
 def matrix_rows(tensor) -> int:
     """A GGUF matrix's row count N (its dims after the first, which is K)."""
     return int(np.prod([int(s) for s in tensor.shape[1:]]))
+
+
+def tensor_form(tensors: dict, name: str, weights: str, dtype: str, device: str) -> str:
+    """resident_form of the GGUF matrix `name` among `tensors` (name -> tensor): an embedding only looked up (the
+    file has its own output.weight) stays in the file's blocks, a view of the map whose pages are read only for the
+    tokens met, rather than regrouped (a copy of every row) for products it never takes."""
+    t = tensors[name]
+    form = resident_form(t.tensor_type.name, weights, dtype, device, matrix_rows(t))
+    if name == "token_embd.weight" and "output.weight" in tensors:
+        return form.removesuffix("x8")
+    return form
 
 
 def resident_bytes(form: str, n: int, k: int) -> int:
@@ -828,7 +855,7 @@ def load(tensor, form: str, dtype: str = "f32"):
         raw = np.asarray(tensor.data).reshape(n, -1)
         _check_file_scales(tensor.name, raw, tensor.tensor_type.name)
         if form.endswith("x8"):  # 8 rows' blocks regrouped for the AVX2 decode kernel: a copy
-            return FileTiles.of(raw, tensor.tensor_type.name, k)
+            return FileTiles.of(raw, tensor.tensor_type.name, k, mapped=True)
         return FileBlocks(raw, tensor.tensor_type.name, k)
     w = torch.empty(n, k, dtype=_DENSE[form])
     for s in range(0, n, SLAB_ROWS):  # a slab of rows in f32 at a time: peak = the result plus one slab

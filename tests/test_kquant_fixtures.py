@@ -14,7 +14,7 @@ from kvcli.sampler import Sampler
 from kvcli.gguf_file import read_tensor
 from kvcli.llama import Llama
 from kvcli.shapes import weight_bytes
-from kvcli.weights import FILE_BLOCKS, matrix_rows, resident_form
+from kvcli.weights import FILE_BLOCKS, tensor_form
 from tests.tiny import gguf_names, llama_permute, llama_unpermute
 
 DATA = Path(__file__).parent / "data"
@@ -27,12 +27,13 @@ NATIVE_BOUND = 0.03
 HF_BOUND = 1e-4  # kvcli f32 against transformers f32: summation order only
 
 
-def native_form(tensor) -> str:
-    """The resident form a matrix of this type should get under native weights at --dtype f32: Q4_K as int4 tiles and
-    Q8_0 as int8 ones where the VNNI kernel runs (Q4_K also where torch's int4 GEMM is the best there is), regrouped
-    by 8 rows where ggml_tiles' AVX2 kernel runs and its rows are whole tiles, the others in the file's own blocks."""
-    ggml_type = tensor.tensor_type.name
-    return resident_form(ggml_type, "native", "f32", "cpu", matrix_rows(tensor)) if ggml_type in FILE_BLOCKS else "f32"
+def native_form(tensors: dict, name: str) -> str:
+    """The resident form a matrix should get under native weights at --dtype f32: Q4_K as int4 tiles and Q8_0 as
+    int8 ones where the VNNI kernel runs (Q4_K also where torch's int4 GEMM is the best there is), regrouped by 8 rows
+    where ggml_tiles' AVX2 kernel runs and its rows are whole tiles (not an embedding only looked up), the others in
+    the file's own blocks."""
+    return tensor_form(tensors, name, "native", "f32", "cpu") if tensors[name].tensor_type.name in FILE_BLOCKS \
+        else "f32"
 
 
 def hf_model(llm: Llama):
@@ -108,10 +109,10 @@ def test_native_forms(fixture):
     tensors = native.gguf.tensors
     parts = {"wqkv": ("attn_q", "attn_k", "attn_v"), "wo": ("attn_output",), "w_gate_up": ("ffn_gate", "ffn_up"),
              "w_down": ("ffn_down",)}
-    want = {"tok_embd": native_form(tensors["token_embd.weight"]), "output": native_form(tensors["output.weight"])}
+    want = {"tok_embd": native_form(tensors, "token_embd.weight"), "output": native_form(tensors, "output.weight")}
     for i in range(native.config.n_layers):
         for k, names in parts.items():
-            want[f"blk.{i}.{k}"] = "+".join(sorted({native_form(tensors[f"blk.{i}.{n}.weight"]) for n in names}))
+            want[f"blk.{i}.{k}"] = "+".join(sorted({native_form(tensors, f"blk.{i}.{n}.weight") for n in names}))
     assert {n: f.name for n, f in native.model.forms().items()} == want
 
 
@@ -146,7 +147,7 @@ def test_info_lists_resident_forms(fixture):
     rows = [row for row in rows if row[2].isdigit()]  # the per-type table (tensors counted), not the others
     got = {(t, form, int(n)) for t, form, n, *_ in rows}
     counts: dict[tuple[str, str], int] = {}
-    for t in native.gguf.tensors.values():
-        key = (t.tensor_type.name, "f32" if t.tensor_type.name == "F32" else native_form(t))
+    for name, t in native.gguf.tensors.items():
+        key = (t.tensor_type.name, "f32" if t.tensor_type.name == "F32" else native_form(native.gguf.tensors, name))
         counts[key] = counts.get(key, 0) + 1
     assert got == {(t, form, n) for (t, form), n in counts.items()}

@@ -210,7 +210,7 @@ def test_tiny_model_with_blocks_equals_f32(tmp_path, monkeypatch, blocks_entry_o
     batch through the slabs, decode steps through the kernel, against --weights f32 (the same values)."""
     path = _quantized_model(tmp_path, Q.Q4_1, tied=True)
     exact = Llama(path, ctx_size=32, dtype="f32", cache_type_k="f32", cache_type_v="f32", weights="f32")
-    monkeypatch.setattr("kvcli.llama.resident_form", lambda t, w, dt, dev, n=None: resident_form(t, w, dt, "cuda", n))
+    monkeypatch.setattr("kvcli.weights.resident_form", lambda t, w, dt, dev, n=None: resident_form(t, w, dt, "cuda", n))
     llm = Llama(path, ctx_size=32, dtype="f32", cache_type_k="f32", cache_type_v="f32")
     assert {f.kind for f in llm.model.forms().values()} == {"int4_cuda"}
     types = {n: t.tensor_type.name for n, t in llm.gguf.tensors.items()}

@@ -76,12 +76,22 @@ def _units(a: np.ndarray) -> np.ndarray:
     return a.reshape(-1).view(np.uint16).reshape(a.shape[0], -1)
 
 
-def retile(ggml_type: str, raw: np.ndarray) -> np.ndarray:
+RETILE_TILES = 1024  # tiles made at a time by retile, after which `done` may let the source's pages go
+
+
+def retile(ggml_type: str, raw: np.ndarray, done=None) -> np.ndarray:
     """raw (N, row bytes) of the file's blocks, N a multiple of 8 -> tiles (N / 8, row bytes x 8) as
-    vectors.ggml_tile_dots reads them: the same bytes reordered."""
+    vectors.ggml_tile_dots reads them: the same bytes reordered; done(rows of raw) after each run of them is made
+    (a memory map's pages read so far can go: the load's peak is the tiles plus one run)."""
     tiles = np.empty((raw.shape[0] // TILE_ROWS, raw.shape[1] * TILE_ROWS), np.uint8)
+    tiles.fill(0)  # fresh pages faulted in one sequential pass: first touched by _to_tiles they cost ~2.5x more
     _threads()
-    _to_tiles(_units(np.ascontiguousarray(raw)), _units(tiles), 0, tiles.shape[0], *_layout(ggml_type))
+    src, dst = _units(np.ascontiguousarray(raw)), _units(tiles)
+    for lo in range(0, tiles.shape[0], RETILE_TILES):
+        hi = min(lo + RETILE_TILES, tiles.shape[0])
+        _to_tiles(src, dst, lo, hi, *_layout(ggml_type))
+        if done is not None:
+            done(raw[TILE_ROWS * lo : TILE_ROWS * hi])
     return tiles
 
 
