@@ -732,14 +732,20 @@ F16_FIELDS = {"Q4_0": (0,), "Q4_1": (0, 2), "Q5_0": (0,), "Q5_1": (0, 2), "Q8_0"
                "Q3_K": (108,), "Q4_K": (0, 2), "Q5_K": (0, 2), "Q6_K": (208,), "IQ4_NL": (0,), "IQ4_XS": (0,)}
 
 
-def _check_file_scales(name: str, raw: np.ndarray, ggml_type: str) -> None:
+def _check_file_scales(name: str, raw: np.ndarray, ggml_type: str, tiled: bool = False) -> None:
     """Refuse a FileBlocks tensor with a NaN/Inf f16 field: its exponent bits all ones (bits 2-6 of the high byte),
-    read in place from the map (no copy of the blocks)."""
+    read in place from the map (no copy of the blocks); tiled: raw is FileTiles' (a field's 8 rows in its unit's
+    16 bytes), read there once made, so the map's pages are read once, by the regrouping, a run at a time."""
     import gguf
 
     block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
-    blocks = raw.reshape(-1, block_bytes)
-    if any(((blocks[:, at + 1] & 0x7C) == 0x7C).any() for at in F16_FIELDS[ggml_type]):
+    if tiled:
+        blocks = raw.reshape(-1, 8 * block_bytes)
+        highs = [blocks[:, 8 * at + 1 : 8 * at + 16 : 2] for at in F16_FIELDS[ggml_type]]
+    else:
+        blocks = raw.reshape(-1, block_bytes)
+        highs = [blocks[:, at + 1] for at in F16_FIELDS[ggml_type]]
+    if any(((h & 0x7C) == 0x7C).any() for h in highs):
         from kvcli.errors import KvcliError
 
         raise KvcliError(f"tensor {name} holds NaN/Inf block scales; the model file is corrupt")
@@ -853,9 +859,11 @@ def load(tensor, form: str, dtype: str = "f32"):
     n, k = matrix_rows(tensor), int(tensor.shape[0])
     if form.upper().removesuffix("X8") in FILE_BLOCKS:  # the memory map's bytes as they lie: no copy, nothing decoded
         raw = np.asarray(tensor.data).reshape(n, -1)
-        _check_file_scales(tensor.name, raw, tensor.tensor_type.name)
         if form.endswith("x8"):  # 8 rows' blocks regrouped for the AVX2 decode kernel: a copy
-            return FileTiles.of(raw, tensor.tensor_type.name, k, mapped=True)
+            tiles = FileTiles.of(raw, tensor.tensor_type.name, k, mapped=True)
+            _check_file_scales(tensor.name, tiles.tiles, tensor.tensor_type.name, tiled=True)
+            return tiles
+        _check_file_scales(tensor.name, raw, tensor.tensor_type.name)
         return FileBlocks(raw, tensor.tensor_type.name, k)
     w = torch.empty(n, k, dtype=_DENSE[form])
     for s in range(0, n, SLAB_ROWS):  # a slab of rows in f32 at a time: peak = the result plus one slab

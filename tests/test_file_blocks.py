@@ -42,15 +42,23 @@ def adversarial(ggml_type: str, N: int, K: int, seed: int = 0) -> np.ndarray:
 
 @pytest.mark.parametrize("ggml_type", TYPES)
 def test_a_nan_or_inf_scale_is_refused_at_load(ggml_type):
+    """Every f16 field of every block is checked, in the file's blocks and in FileTiles' (checked once made)."""
     raw = adversarial(ggml_type, 8, 512)
+    tiles = importlib.import_module("kvcli.kernels.cpu.ggml_tiles") if ggml_type in tile_types() else None
     _check_file_scales("w", raw, ggml_type)  # finite (subnormal, zero, negative) scales pass
+    if tiles:
+        _check_file_scales("w", tiles.retile(ggml_type, raw), ggml_type, tiled=True)
     QK, B = ggml_rows.TYPES[ggml_type]
     for at in F16_FIELDS[ggml_type]:
         for bad in (np.inf, -np.inf, np.nan):
-            hostile = raw.copy().reshape(8, -1, B)
-            hostile[5, -1, at : at + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
-            with pytest.raises(KvcliError, match="tensor w holds NaN/Inf block scales"):
-                _check_file_scales("w", hostile.reshape(8, -1), ggml_type)
+            for row in range(8):
+                hostile = raw.copy().reshape(8, -1, B)
+                hostile[row, -1, at : at + 2] = np.frombuffer(np.float16(bad).tobytes(), np.uint8)
+                with pytest.raises(KvcliError, match="tensor w holds NaN/Inf block scales"):
+                    _check_file_scales("w", hostile.reshape(8, -1), ggml_type)
+                if tiles:
+                    with pytest.raises(KvcliError, match="tensor w holds NaN/Inf block scales"):
+                        _check_file_scales("w", tiles.retile(ggml_type, hostile.reshape(8, -1)), ggml_type, tiled=True)
 
 
 def test_block_tables_are_ggmls():
