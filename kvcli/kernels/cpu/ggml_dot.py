@@ -76,19 +76,24 @@ def _threaded(kind, raw, xi, xs, xsum, y, threads):
         _span(kind, raw, xi, xs, xsum, y, N * t // threads, N * (t + 1) // threads)
 
 
-def matmul(ggml_type: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
-    """x (M, K) f32 contiguous -> x W.T (M, N) f32, W the (N, K) matrix whose blocks raw (N, row bytes) holds."""
+def run(span, threaded, kind: int, w: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
+    """x (M, K) f32 contiguous quantized (quantize_x), then y (M, n) f32 made by span(kind, w, xi, xs, xsum, y, lo,
+    hi) over w's first axis, or by threaded(..., threads) at -t N > 1 (ggml_dot's and ggml_tiles' products)."""
     M, K = x.shape
     xi, xs, xsum = np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
     quantize_x(x, xi, xs, xsum)
-    y = np.empty((M, raw.shape[0]), np.float32)
-    kind = DOT_TYPES.index(ggml_type)
+    y = np.empty((M, n), np.float32)
     threads = _threads()
     if threads > 1 and THREADED:
-        _threaded(kind, raw, xi, xs, xsum, y, threads)
+        threaded(kind, w, xi, xs, xsum, y, threads)
     else:
-        _span(kind, raw, xi, xs, xsum, y, 0, raw.shape[0])
+        span(kind, w, xi, xs, xsum, y, 0, w.shape[0])
     return y
+
+
+def matmul(ggml_type: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
+    """x (M, K) f32 contiguous -> x W.T (M, N) f32, W the (N, K) matrix whose blocks raw (N, row bytes) holds."""
+    return run(_span, _threaded, DOT_TYPES.index(ggml_type), raw, x, raw.shape[0])
 
 
 def warm_up() -> None:

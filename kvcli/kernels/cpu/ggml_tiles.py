@@ -15,8 +15,8 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from .compile import THREADED, available, jit, jit_threaded, numba
-from .ggml_dot import quantize_x
+from . import ggml_dot
+from .compile import available, jit, jit_threaded, numba
 from .ggml_rows import _threads
 from .vectors import TILE_ROWS, TILE_TYPES
 
@@ -130,17 +130,7 @@ def _threaded(kind, tiles, xi, xs, xsum, y, threads):
 
 def matmul(ggml_type: str, tiles: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x (M, K) f32 contiguous -> x W.T (M, N) f32, W's blocks as retile lays them in tiles (N / 8, ...)."""
-    M, K = x.shape
-    xi, xs, xsum = np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
-    quantize_x(x, xi, xs, xsum)
-    y = np.empty((M, tiles.shape[0] * TILE_ROWS), np.float32)
-    kind = TILE_TYPES.index(ggml_type)
-    threads = _threads()
-    if threads > 1 and THREADED:
-        _threaded(kind, tiles, xi, xs, xsum, y, threads)
-    else:
-        _span(kind, tiles, xi, xs, xsum, y, 0, tiles.shape[0])
-    return y
+    return ggml_dot.run(_span, _threaded, TILE_TYPES.index(ggml_type), tiles, x, tiles.shape[0] * TILE_ROWS)
 
 
 def warm_up() -> None:

@@ -980,16 +980,22 @@ if numba is not None:
         else:
             raise ValueError(name)
 
+    def _dots_args(context, builder, sig, args, ng: int):
+        """The dots intrinsics' arguments (_dots_intrinsic) unpacked for ng rows of x: kind, W's array, lo, hi, K,
+        x's rows, their xi / xs / xsum addresses, y, llvm.fma.v8f32 and ng slots of 8 f32 sums."""
+        kind, lo, hi, g0 = args[0], args[2], args[3], args[7]
+        w, xi, xs, xsum, y = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 4, 5, 6, 8))
+        K = cgutils.unpack_tuple(builder, xi.shape, 2)[1]
+        rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+        x_i = [ir_at(builder, xi, r) for r in rows]
+        x_s, x_sum = [ir_at(builder, xs, r) for r in rows], [ir_at(builder, xsum, r) for r in rows]
+        fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+        acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
+        return kind, w, lo, hi, K, rows, x_i, x_s, x_sum, y, fma, acc
+
     def _row_dots_codegen(ng: int):
         def codegen(context, builder, sig, args):
-            kind, lo, hi, g0 = args[0], args[2], args[3], args[7]
-            raw, xi, xs, xsum, y = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 4, 5, 6, 8))
-            K = cgutils.unpack_tuple(builder, xi.shape, 2)[1]
-            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
-            x_i = [ir_at(builder, xi, r) for r in rows]
-            x_s, x_sum = [ir_at(builder, xs, r) for r in rows], [ir_at(builder, xsum, r) for r in rows]
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
-            acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
+            kind, raw, lo, hi, K, rows, x_i, x_s, x_sum, y, fma, acc = _dots_args(context, builder, sig, args, ng)
             acc_s = [cgutils.alloca_once(builder, _F32) for _ in range(ng)]
             with cgutils.for_range(builder, builder.sub(hi, lo)) as row:
                 n = builder.add(lo, row.index)
@@ -1055,14 +1061,16 @@ if numba is not None:
 
         return codegen
 
-    def _row_dots_intrinsic(ng: int):
-        def typer(typingctx, kind, raw, lo, hi, xi, xs, xsum, g0, y):
+    def _dots_intrinsic(codegen_of, ng: int):
+        """ggml_row_dots' and ggml_tile_dots' signature: (kind, W's bytes, lo, hi, xi, xs, xsum, g0, y)."""
+        def typer(typingctx, kind, w, lo, hi, xi, xs, xsum, g0, y):
             i = types.int64
-            return types.none(i, raw, i, i, xi, xs, xsum, i, y), _row_dots_codegen(ng)
+            return types.none(i, w, i, i, xi, xs, xsum, i, y), codegen_of(ng)
 
         return intrinsic(typer)
 
-    ggml_row_dots1, ggml_row_dots2, ggml_row_dots3, ggml_row_dots4 = (_row_dots_intrinsic(g) for g in (1, 2, 3, 4))
+    ggml_row_dots1, ggml_row_dots2, ggml_row_dots3, ggml_row_dots4 = (_dots_intrinsic(_row_dots_codegen, g)
+                                                                      for g in (1, 2, 3, 4))
 
 
 # ---- 8 rows' blocks interleaved (ggml_tiles.py): the same 16-bit products with 8 rows in one vector's lanes ----
@@ -1164,14 +1172,7 @@ if numba is not None:
 
     def _tile_codegen(ng: int):
         def codegen(context, builder, sig, args):
-            kind, lo, hi, g0 = args[0], args[2], args[3], args[7]
-            tiles, xi, xs, xsum, y = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (1, 4, 5, 6, 8))
-            K = cgutils.unpack_tuple(builder, xi.shape, 2)[1]
-            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
-            x_i = [ir_at(builder, xi, r) for r in rows]
-            x_s, x_sum = [ir_at(builder, xs, r) for r in rows], [ir_at(builder, xsum, r) for r in rows]
-            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
-            acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
+            kind, tiles, lo, hi, K, rows, x_i, x_s, x_sum, y, fma, acc = _dots_args(context, builder, sig, args, ng)
             c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
             unit_bytes = 2 * TILE_ROWS
 
@@ -1246,11 +1247,5 @@ if numba is not None:
 
         return codegen
 
-    def _tile_intrinsic(ng: int):
-        def typer(typingctx, kind, tiles, lo, hi, xi, xs, xsum, g0, y):
-            i = types.int64
-            return types.none(i, tiles, i, i, xi, xs, xsum, i, y), _tile_codegen(ng)
-
-        return intrinsic(typer)
-
-    ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4 = (_tile_intrinsic(g) for g in (1, 2, 3, 4))
+    ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4 = (_dots_intrinsic(_tile_codegen, g)
+                                                                          for g in (1, 2, 3, 4))
