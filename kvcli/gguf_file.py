@@ -72,6 +72,18 @@ class GGUFModel:
         return sum(int(t.n_bytes) for t in self.tensors.values())
 
 
+def drop_view_pages(view: np.ndarray) -> None:
+    """drop_pages for the whole pages inside a contiguous view of the map only (a tensor's rows once read)."""
+    import ctypes
+
+    if not hasattr(mmap, "MADV_DONTNEED"):
+        return
+    start, end = view.ctypes.data, view.ctypes.data + view.nbytes
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
 class _Scan:
     """A cursor over the mapped file that never reads past its end (any overrun -> KvcliError)."""
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from kvcli import kernel_table as table
+from kvcli.gguf_file import drop_view_pages
 from kvcli.kernel_table import AVX2, AVX512, BF16, NORM, PRODUCT, ROWS, Entry
 from kvcli.kernels.cpu.int4_tiles import GROUP, pack_pairs, tile_width, unpack_pairs
 
@@ -507,7 +508,7 @@ class FileTiles(FileBlocks):
     def of(cls, raw: np.ndarray, ggml_type: str, k: int, mapped: bool = False) -> FileTiles:
         """Regrouped from raw (N, row bytes); mapped: raw is a view of the file's memory map, whose pages are let
         go as they are read (they would count in RSS beside the tiles until the load's end)."""
-        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw, _drop_pages if mapped else None), ggml_type, k)
+        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw, drop_view_pages if mapped else None), ggml_type, k)
 
     @property
     def raw(self) -> np.ndarray:
@@ -663,20 +664,6 @@ def resident_form(ggml_type: str, weights: str, dtype: str, device: str, n: int 
     if device == "cpu" and ggml_type in FILE_BLOCKS:
         return ggml_type.lower()
     return dtype
-
-
-def _drop_pages(mapped: np.ndarray) -> None:
-    """madvise(MADV_DONTNEED) the whole pages inside a contiguous view of a read-only file mapping: the OS takes them
-    back (read again from the file if ever touched)."""
-    import ctypes
-    import mmap
-
-    if not hasattr(mmap, "MADV_DONTNEED"):
-        return
-    start, end = mapped.ctypes.data, mapped.ctypes.data + mapped.nbytes
-    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
-    if last > first:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
 def matrix_rows(tensor) -> int:
