@@ -42,7 +42,7 @@ class BenchRow:
     synthetic: bool = False
     window: int = 0  # the cache's recent window (kvcli/cache/window.py); its bytes are in cache_mib
     model_mib: float = 0.0  # the weights' resident bytes (kvcli.model.Transformer.weight_bytes)
-    keys_less_bias: bool = False  # keys stored less the model's K bias in some layer (kvcli/cache/key_bias.py)
+    keys_less_bias: bool = False  # keys stored less their turning mean in some layer (kvcli/cache/key_bias.py)
 
 
 def split_list(value: str) -> list[str]:

@@ -73,7 +73,7 @@ def check_bytes(cls: type[Store]) -> None:
     for n_ctx in (1, 77, 256):
         store = cls(L, B, HKV, n_ctx, D)
         assert store.nbytes() == cls.nbytes_for(L, B, HKV * D, n_ctx)
-        spec = CacheSpec("kv", cls.name, cls.name)  # with the type's default recent window
+        spec = CacheSpec("kv", cls.name, cls.name, key_bias="off")  # the type's default window; keys as they come
         cache = KVCache(L, B, HKV, n_ctx, D, cls.name, cls.name, window=spec.window, attention=Attention())
         planned = cache_bytes(_config(), spec, n_ctx, B)
         assert cache.nbytes() == planned

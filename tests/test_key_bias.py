@@ -1,5 +1,6 @@
-"""Keys stored less their bias (kvcli/cache/key_bias.py): the add-back is exact, the cache-level treatment changes
-nothing over an f32 store, and the model's rule (auto: kvcli's rotated types on a model with a K bias) holds."""
+"""Keys stored less their turning mean (kvcli/cache/key_bias.py): the add-back is exact, each sequence's mean is its
+first batch's, the cache-level treatment changes nothing over an f32 store, and the rule (auto: kvcli's rotated
+types) holds."""
 
 from __future__ import annotations
 
@@ -29,8 +30,9 @@ def test_scores_are_q_dot_rotated_bias(neox):
 
 @pytest.mark.parametrize("neox", [False, True])
 def test_remove_is_rotated_bias_at_each_position(neox):
-    """remove at an int start and at per-row positions (a (B,) tensor, T = 1) subtracts R(p) b of each position."""
-    kb = key_bias(64, neox)
+    """remove at an int start and at per-row positions (a (B,) tensor, T = 1) subtracts R(p) b of each position
+    (b: a sequence's mean before its first batch)."""
+    kb = key_bias(64, neox).for_rows(2)
     k = torch.randn(2, 5, HKV, D)
     rb = apply_rope(kb.bias[0].expand(1, 64, -1, -1), kb.rot, neox)[0]  # (64, H, D)
     torch.testing.assert_close(kb.remove(0, k, 9), k - rb[9:14])
@@ -56,6 +58,24 @@ def test_f32_cache_attends_the_same_with_keys_less_their_bias(window):
         torch.testing.assert_close(outs[1], outs[0], rtol=1e-4, atol=1e-4)
 
 
+@pytest.mark.parametrize("neox", [False, True])
+def test_mean_is_each_sequences_first_batch_before_rope(neox):
+    """start: the mean of the first batch's keys past the sinks, taken back before RoPE, per sequence (a row view
+    sets its own); a batch of no more than the sinks: the bias. remove then takes R(p) m of that sequence off."""
+    from kvcli.cache.key_bias import N_SINK
+
+    kb = key_bias(64, neox).for_rows(3)
+    g = torch.Generator().manual_seed(3)
+    pre = torch.randn(2, 20, HKV, D, generator=g) + torch.randn(2, 1, HKV, D, generator=g) * 5  # a mean per row
+    keys = apply_rope(pre, kb.rot[:20], neox)
+    kb.rows(0, 2).start(0, keys)
+    torch.testing.assert_close(kb.mean[0, :2], pre[:, N_SINK:].mean(1), rtol=1e-5, atol=1e-5)
+    kb.rows(2, 3).start(0, keys[:1, :N_SINK])
+    torch.testing.assert_close(kb.mean[0, 2], kb.bias[0])
+    rm = apply_rope(kb.mean[0, :2, None].expand(-1, 20, -1, -1), kb.rot[:20], neox)
+    torch.testing.assert_close(kb.rows(0, 2).remove(0, keys, 0), keys - rm)
+
+
 def test_rule_auto_treats_rotated_types_only():
     assert treats("auto", resolve_type("tq3")) and treats("auto", resolve_type("q4_hadamard"))
     assert not treats("auto", resolve_type("q8_0")) and not treats("auto", resolve_type("f16"))
@@ -63,13 +83,13 @@ def test_rule_auto_treats_rotated_types_only():
 
 
 def test_treated_layers_follow_the_model_and_the_types():
-    """A model without K bias: none; qwen2's: the layers whose K type the policy treats (per-layer types too)."""
+    """The layers whose K type the policy treats (per-layer types too), on a model with a K bias or without."""
     from kvcli.config import ModelConfig
 
     shape = dict(n_layers=4, n_embd=64, n_ff=64, n_heads=2, n_kv_heads=1, head_dim=32, vocab_size=10,
                  context_length=64, rms_eps=1e-6, rope_base=10000.0)
     qwen, llama = ModelConfig("qwen2", **shape, qkv_bias=True), ModelConfig("llama", **shape)
-    assert treats_keys(llama, CacheSpec("kv", "tq3", "tq3")) == []
+    assert treats_keys(llama, CacheSpec("kv", "tq3", "tq3")) == [0, 1, 2, 3]
     assert treats_keys(qwen, CacheSpec("kv", "tq3", "tq3")) == [0, 1, 2, 3]
     assert treats_keys(qwen, CacheSpec("kv", "q8_0=0+tq3", "tq3")) == [1, 2, 3]
     assert treats_keys(qwen, CacheSpec("kv", "q8_0=0+tq3", "tq3", key_bias="on")) == [0, 1, 2, 3]
@@ -97,9 +117,19 @@ def test_run_warns_of_a_known_loss():
     assert "+4.2%" in loss_warning(qwen, CacheSpec("kv", "tq2", "tq2"), keys_less_bias=True)
 
 
-def test_keys_less_their_bias_cost_no_byte_and_say_so():
-    """The treatment keeps the type's bytes (and so its bits per element) and the size line names it."""
-    plain, treated = (KVCache(2, 1, HKV, 256, D, "tq3", "tq3", attention=Attention(), window=16,
-                              key_bias=None if i == 0 else key_bias(256)) for i in range(2))
-    assert treated.nbytes() == plain.nbytes() == KVCache.bytes_needed(2, 1, HKV * D, 256, "tq3", "tq3", 16)
-    assert "keys less their bias" in treated.describe() and "bias" not in plain.describe()
+def test_keys_less_their_mean_cost_their_means_and_say_so():
+    """The treatment keeps the type's bytes (and so its bits per element) plus each sequence's means, f32, and the
+    size line names it."""
+    plain, treated = (KVCache(2, 3, HKV, 256, D, "tq3", "tq3", attention=Attention(), window=16,
+                              key_bias=None if i == 0 else KeyBias(key_bias(256).bias.expand(2, -1, -1), key_bias(256).rot,
+                                                                   True)) for i in range(2))
+    assert plain.nbytes() == KVCache.bytes_needed(2, 3, HKV * D, 256, "tq3", "tq3", 16)
+    assert treated.nbytes() == plain.nbytes() + 2 * 3 * HKV * D * 4
+    assert "keys less their mean" in treated.describe() and "mean" not in plain.describe()
+    from kvcli.cache.spec import cache_bytes
+    from kvcli.config import ModelConfig
+
+    llama = ModelConfig("llama", n_layers=2, n_embd=128, n_ff=64, n_heads=4, n_kv_heads=HKV, head_dim=D,
+                        vocab_size=10, context_length=256, rms_eps=1e-6, rope_base=10000.0)
+    planned = [cache_bytes(llama, CacheSpec("kv", "tq3", "tq3", window=16, key_bias=kb), 256, 3) for kb in ("off", "auto")]
+    assert planned == [plain.nbytes(), treated.nbytes()]

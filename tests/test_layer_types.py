@@ -42,7 +42,7 @@ def test_spelling_is_canonical_and_checked():
 def test_a_mixed_cache_is_each_layers_own_cache():
     """Every layer of a mixed cache attends as a cache of that layer's types alone (same bytes, same output); its
     bytes are the sum of its groups', as planned; the size line names each group."""
-    spec = CacheSpec("kv", "q8_0=0+tq3=3+q4_hadamard", "f16=0+tq4")
+    spec = CacheSpec("kv", "q8_0=0+tq3=3+q4_hadamard", "f16=0+tq4", key_bias="off")  # keys as the caches alone take them
     mixed = make_cache(Config, spec, 96, n_seq=2, attention=Attention())
     assert mixed.nbytes() == cache_bytes(Config, spec, 96, n_seq=2)
     assert spec.bits_per_element(L) == pytest.approx(((8.5 + 4.5 * 2 + 3.25) / 4 + (16 + 4.25 * 3) / 4) / 2)

@@ -217,8 +217,9 @@ class KVCache:
                  type_k: str = "f16", type_v: str = "f16", device: str = "cpu", *, attention, window: int = 0,
                  key_bias=None):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
-        # keys stored less their bias, q . R(p) b added back on read (kvcli/cache/key_bias.py); None: as they come
-        self.key_bias = key_bias
+        # keys stored less their turning mean, q . R(p) m added back on read (kvcli/cache/key_bias.py): each
+        # sequence's own m; None: keys as they come
+        self.key_bias = None if key_bias is None else key_bias.for_rows(batch)
         # how to attend (kvcli.attention.Attention: the -fa choice and the kernels it chose); the cache only holds it
         self.attend = attention
         self.kernels: dict = {}  # the attention entries chosen for this cache, by shape (Attention.__call__)
@@ -243,6 +244,7 @@ class KVCache:
         view = copy.copy(self)
         view.k, view.v = self.k.rows(start, stop), self.v.rows(start, stop)
         view.ring = self.ring.rows(start, stop) if self.ring else None
+        view.key_bias = self.key_bias.rows(start, stop) if self.key_bias else None
         view.batch, view.base, view.row0 = stop - start, self.base if self.base is not None else self, self.row0 + start
         return view
 
@@ -251,9 +253,14 @@ class KVCache:
         sequence's own position). With a window, the positions leaving it go into the stores (at decode in
         batches, kvcli/cache/window.py); returns the batch's f16 window for attention (None without one)."""
         if torch.is_tensor(pos):  # the caller (the server's engine) keeps each sequence inside its context
+            if self.key_bias is not None and not bool(pos.all()):
+                for b in (pos == 0).nonzero().flatten().tolist():  # a sequence started by one token: the bias
+                    self.key_bias.rows(b, b + 1).start(layer, k[b : b + 1])
             return self._store_rows(layer, k, v, pos)
         if pos + k.shape[1] > self.n_ctx:
             raise KvcliError(f"context full: {pos + k.shape[1]} tokens do not fit in a {self.n_ctx}-token cache")
+        if pos == 0 and self.key_bias is not None:  # new sequences: their keys' mean, before anything is stored
+            self.key_bias.start(layer, k)
         if not self.window:
             self._write(layer, k, v, pos)
             return None
@@ -281,7 +288,7 @@ class KVCache:
             kv = torch.cat([wr for _, wr, _ in writes])  # (B, 1, 2 Hkv, D), rows in order
             self._write(layer, kv[:, :, :Hkv], kv[:, :, Hkv:], torch.tensor([w0 for _, _, w0 in writes]))
         elif writes and not (type(self.k) is type(self.v) and self.k.store_spans(
-                self.v, layer, [(b, self._keys(layer, wr[:, :, :Hkv], w0), wr[:, :, Hkv:], w0) for b, wr, w0 in writes])):
+                self.v, layer, [(b, self._keys(layer, wr[:, :, :Hkv], w0, b), wr[:, :, Hkv:], w0) for b, wr, w0 in writes])):
             for b, write, w0 in writes:
                 self._write_row(b, layer, write[:, :, :Hkv], write[:, :, Hkv:], w0)
         return Recent(None, None, w.low, self.window, w.masked, w.lim, w.high, kv16=w.ring)
@@ -290,11 +297,15 @@ class KVCache:
         """K/V (1, T, Hkv, D) of sequence b at positions pos..pos+T-1."""
         one = copy.copy(self)
         one.k, one.v = self.k.rows(b, b + 1), self.v.rows(b, b + 1)
+        one.key_bias = self.key_bias.rows(b, b + 1) if self.key_bias else None
         one._write(layer, k, v, pos)
 
-    def _keys(self, layer: int, k: torch.Tensor, pos: int | torch.Tensor) -> torch.Tensor:
-        """The keys as the K store takes them: less their bias where the cache treats them (key_bias)."""
-        return k if self.key_bias is None else self.key_bias.remove(layer, k, pos)
+    def _keys(self, layer: int, k: torch.Tensor, pos: int | torch.Tensor, row: int | None = None) -> torch.Tensor:
+        """The keys as the K store takes them: less their turning mean where the cache treats them (key_bias);
+        row: k is sequence row's alone."""
+        if self.key_bias is None:
+            return k
+        return (self.key_bias if row is None else self.key_bias.rows(row, row + 1)).remove(layer, k, pos)
 
     def _write(self, layer: int, k: torch.Tensor, v: torch.Tensor, pos: int | torch.Tensor) -> None:
         k = self._keys(layer, k, pos)
@@ -327,7 +338,8 @@ class KVCache:
         return self.ring.nbytes() if self.ring else 0
 
     def nbytes(self) -> int:
-        return self.k.nbytes() + self.v.nbytes() + self.window_nbytes()
+        return (self.k.nbytes() + self.v.nbytes() + self.window_nbytes()
+                + (self.key_bias.nbytes() if self.key_bias is not None else 0))
 
     def describe(self) -> str:
         """llama.cpp's start-up line for the KV cache; the window, a buffer of its own, at the end."""
@@ -337,7 +349,7 @@ class KVCache:
         if self.window:
             line += f", window {self.window} (f16): {self.window_nbytes() / MIB:7.2f} MiB"
         if self.key_bias is not None:
-            line += ", keys less their bias"
+            line += ", keys less their mean"
         return line
 
     @staticmethod

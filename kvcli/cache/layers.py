@@ -182,5 +182,5 @@ class LayeredKV:
             line += f", window {self.window} (f16): {self.window_nbytes() / MIB:7.2f} MiB"
         for cache, layers in self.parts:
             line += (f"\n  layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: K {cache.k.name}, V {cache.v.name}, "
-                     f"{cache.nbytes() / MIB:.2f} MiB" + (", keys less their bias" if cache.key_bias else ""))
+                     f"{cache.nbytes() / MIB:.2f} MiB" + (", keys less their mean" if cache.key_bias else ""))
         return line

@@ -6,11 +6,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from kvcli.cache import layers
 from kvcli.cache.base import KVCache, resolve_type, window_for
 from kvcli.cache.key_bias import KEY_BIAS, KeyBias, treats
 from kvcli.cache.hidden import HiddenCache
 from kvcli.errors import KvcliError
+from kvcli.rope import rope_table
 
 CACHE_MODES = ("kv", "hidden", "auto")
 
@@ -22,8 +25,8 @@ class CacheSpec:
     positions kept in f16 (kvcli/cache/window.py); None: the types' default. Once the mode is kv or
     hidden it holds the window the cache keeps: 0 where every type is dense (f32, f16, bf16). type_k and type_v
     may differ by layer (kvcli/cache/layers.py: `q8_0=0-1+tq3`); one window then serves every layer whose
-    types are not both dense. key_bias: auto, on or off, whether keys are stored less the model's K bias
-    (kvcli/cache/key_bias.py; auto: for kvcli's rotated types, on a model that has one)."""
+    types are not both dense. key_bias: auto, on or off, whether keys are stored less their turning mean (the K
+    bias and the projections' mean, kvcli/cache/key_bias.py; auto: for kvcli's rotated types)."""
 
     mode: str = "kv"
     type_k: str = "f16"
@@ -104,15 +107,17 @@ def cache_bytes(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1) -> int:
     c, s = config, spec.resolved(config, n_ctx)
     if s.mode == "hidden":
         return HiddenCache.bytes_needed(c.n_layers, n_seq, c.n_embd, n_ctx, s.type_h, s.window)
+    means = len(treats_keys(c, s)) * n_seq * c.kv_dim * 4  # keys less their mean: each sequence's m, f32
     if s.mixed:
-        return layers.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v, s.window)
-    return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v, s.window)
+        return layers.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v, s.window) + means
+    return KVCache.bytes_needed(c.n_layers, n_seq, c.kv_dim, n_ctx, s.type_k, s.type_v, s.window) + means
 
 
 def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str = "cpu",
                *, attention, model=None):
     """A KVCache or a HiddenCache (the latter needs `model`, the Transformer, already on `device`; so does a K/V
-    cache that stores keys less their bias, spec.key_bias); attention: how it attends (kvcli.attention.Attention,
+    cache that stores keys less their mean, spec.key_bias, on a model with a K bias: else, without the model, the
+    config's RoPE table); attention: how it attends (kvcli.attention.Attention,
     the -fa choice)."""
     c, s = config, spec.resolved(config, n_ctx)
     if s.mode == "hidden":
@@ -120,13 +125,15 @@ def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str 
                            window=s.window)
 
     def key_bias(layer_ids: list[int], type_k: str) -> KeyBias | None:
-        """The treatment of these layers' keys, of type type_k: None where the model has no K bias or the policy
-        leaves this type's keys as they come."""
-        if not getattr(c, "qkv_bias", False) or not treats(s.key_bias, resolve_type(type_k)):
+        """The treatment of these layers' keys, of type type_k: None where the policy leaves this type's keys as
+        they come."""
+        if not treats(s.key_bias, resolve_type(type_k)):
             return None
-        if model is None:
-            raise ValueError("a cache of keys less their bias needs the model (its K bias and RoPE table)")
-        return KeyBias.from_model(model, layer_ids)
+        if model is not None:
+            return KeyBias.from_model(model, layer_ids)
+        if getattr(c, "qkv_bias", False):
+            raise ValueError("a cache of keys less their mean needs the model (its K bias and RoPE table)")
+        return KeyBias(torch.zeros(len(layer_ids), c.n_kv_heads, c.head_dim), rope_table(c, n_ctx), c.rope_neox)
 
     if s.mixed:
         return layers.LayeredKV(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v,
@@ -136,8 +143,8 @@ def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str 
 
 
 def treats_keys(config, spec: CacheSpec) -> list[int]:
-    """The layers whose keys a cache of this choice stores less their bias (make_cache's rule)."""
-    if spec.mode != "kv" or not getattr(config, "qkv_bias", False):
+    """The layers whose keys a cache of this choice stores less their mean (make_cache's rule)."""
+    if spec.mode != "kv":
         return []
     return [i for i, t in enumerate(layers.per_layer(spec.type_k, config.n_layers))
             if treats(spec.key_bias, resolve_type(t))]

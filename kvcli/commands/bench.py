@@ -25,7 +25,7 @@ def bench_command(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = 
                   cache_window: Optional[str] = typer.Option(None, "-cw", "--cache-window",
                                                              help="Recent windows (comma list). " + WINDOW_HELP),
                   key_bias: str = typer.Option("auto", "--key-bias", help="auto, on or off, for every row: keys "
-                                               "stored less the model's K bias (kvcli/cache/key_bias.py)."),
+                                               "stored less their turning mean (kvcli/cache/key_bias.py)."),
                   flash_attn: str = typer.Option("on", "-fa", "--flash-attn", help="on, off (comma list)."),
                   repetitions: int = typer.Option(3, "-r", "--repetitions"),
                   output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),

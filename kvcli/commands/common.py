@@ -280,8 +280,9 @@ WINDOW_HELP = ("Newest positions per layer kept in f16 and quantized only when t
                "type's: 0 for llama.cpp's types; none for f32/f16/bf16, which need none).")
 # click's range check: a negative or non-integer count is a usage error (one line, exit code 2)
 WindowOpt = typer.Option(None, "-cw", "--cache-window", min=0, help=WINDOW_HELP)
-KeyBiasOpt = typer.Option("auto", "--key-bias", help="Store keys less the model's K bias and add q.R(p)b back on "
-                          "read (qwen2's attn_k.bias): auto (kvcli's rotated types), on (any quantized K type), off.")
+KeyBiasOpt = typer.Option("auto", "--key-bias", help="Store keys less their turning mean R(p)m (m: the K bias plus "
+                          "the projections' mean over each sequence's first batch) and add q.R(p)m back on read: "
+                          "auto (kvcli's rotated types), on (any quantized K type), off.")
 
 
 def warn_known_loss(llm) -> None:
