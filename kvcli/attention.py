@@ -315,11 +315,13 @@ def _cpu_decode(module: str):
         Hkv = cache.k.n_heads
         lim, window = decode_reads(B, pos, recent)
         qg = q.reshape(B, Hkv, H // Hkv, D)
-        extra = None
-        if cache.key_bias is not None:  # q . R(p) b of the stored positions, scaled as the scores: (B, Hkv, G, P)
+        kernel, extra = _cpu_module(module), None
+        if cache.key_bias is not None and getattr(kernel, "READS_KEY_MEAN", False):  # added in the kernel's pass
+            extra = cache.key_bias.operands(layer)
+        elif cache.key_bias is not None:  # q . R(p) m of the stored positions, scaled as the scores: (B, Hkv, G, P)
             extra = cache.key_bias.scores(layer, qg * (1.0 / math.sqrt(D)), 0, int(lim.max())).numpy()
-        out = _cpu_module(module).attend(qg, cache.k.operands(layer), cache.v.operands(layer), lim, window,
-                                         extra)  # (B, Hkv, G, D): T = 1
+        out = kernel.attend(qg, cache.k.operands(layer), cache.v.operands(layer), lim, window,
+                            extra)  # (B, Hkv, G, D): T = 1
         return out.view(B, 1, H * D)
 
     run.module = module
@@ -336,13 +338,11 @@ def _decode_covers(decode: bool, head_dim: int, k, v, **_) -> bool:
     return decode and (not dense or head_dim % 16 == 0)
 
 
-def _tq_covers(decode: bool, k, v, **_) -> bool:
-    """Decode steps over uniform codebooks in the tiles torch's int4 GEMM packs on this CPU (kvcli/kernels/cpu/int4_tiles.py)."""
-    from kvcli.kernels.cpu.int4_tiles import tile_width
-
-    T = tile_width()
-    uniform = all(lay.table == tuple(float(u + lay.table[0]) for u in range(len(lay.table))) for lay in (k, v))
-    return decode and uniform and T is not None and k.tile == T and v.tile == T
+def _rotated_covers(decode: bool, head_dim: int, k, v, **_) -> bool:
+    """Decode steps over q4_hadamard's codes or tq's uniform codebooks (L[u] = u - mid), whole blocks of 32."""
+    uniform = all(lay.table == tuple(float(u + lay.table[0]) for u in range(len(lay.table)))
+                  for lay in (k, v) if lay.kind in _TQ)
+    return decode and uniform and head_dim % 32 == 0
 
 
 _ALL_KINDS = tuple(range(13))
@@ -358,12 +358,10 @@ for _entry in (
     Entry(ATTEND, "cpu", _pairs(_BLOCK_KINDS + (Kind.IQ4_NL,)) - _pairs(_BLOCK_KINDS),
           "kvcli/kernels/cpu/attention.py (x86 byte shuffle)", _cpu_decode("attention"), isa=table.X86,
           covers=_decode_covers, ready=_numba_ready, why="decode: iq4_nl's codebook by a byte shuffle"),
-    Entry(ATTEND, "cpu", frozenset({_ROTATED}), "kvcli/kernels/cpu/attention_rotated.py (LLVM vectors)",
-          _cpu_decode("attention_rotated"), covers=_decode_covers, ready=_numba_ready,
-          why="decode: the codes read where they lie, both rotations as fast Walsh-Hadamard transforms"),
-    Entry(ATTEND, "cpu", frozenset({_TQ}), "kvcli/kernels/cpu/attention_tq.py (torch int4 GEMM)",
-          _cpu_decode("attention_tq"), covers=_tq_covers, ready=lambda: _cpu_module("int4_tiles").tile_width() is not None,
-          why="decode: products on the packed codes (bf16 operands)", tol=2**-4),
+    Entry(ATTEND, "cpu", _pairs(_ROTATED + _TQ), "kvcli/kernels/cpu/attention_rotated.py (LLVM vectors)",
+          _cpu_decode("attention_rotated"), covers=_rotated_covers, ready=_numba_ready,
+          why="decode: the codes read where they lie (tq's unpacked a tile at a time), both rotations as fast "
+              "Walsh-Hadamard transforms, keys' turning mean added in the pass"),
     Entry(HIDDEN, "cuda", frozenset(DENSE_KINDS), "kvcli/kernels/gpu/hidden.py (Triton)", attend_hidden_triton,
           covers=_hidden_covers, ready=_triton_ready, why="decode: K/V rebuilt from x in registers"),
 ):

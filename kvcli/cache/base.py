@@ -253,9 +253,10 @@ class KVCache:
         sequence's own position). With a window, the positions leaving it go into the stores (at decode in
         batches, kvcli/cache/window.py); returns the batch's f16 window for attention (None without one)."""
         if torch.is_tensor(pos):  # the caller (the server's engine) keeps each sequence inside its context
-            if self.key_bias is not None and not bool(pos.all()):
-                for b in (pos == 0).nonzero().flatten().tolist():  # a sequence started by one token: the bias
-                    self.key_bias.rows(b, b + 1).start(layer, k[b : b + 1])
+            if self.key_bias is not None:
+                for b, p in enumerate(pos.tolist()):
+                    if p == 0:  # a sequence started by one token: its mean is the bias
+                        self.key_bias.rows(b, b + 1).start(layer, k[b : b + 1])
             return self._store_rows(layer, k, v, pos)
         if pos + k.shape[1] > self.n_ctx:
             raise KvcliError(f"context full: {pos + k.shape[1]} tokens do not fit in a {self.n_ctx}-token cache")

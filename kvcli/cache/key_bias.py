@@ -46,12 +46,14 @@ class KeyBias:
         self.inverse = rot.conj() / rot.abs().square()  # R(p)^-1 (YaRN's mscale on cos and sin)
         # the table's rows as (cos_0, sin_0, cos_1, sin_1, ..): (n_ctx, D), a view of rot
         self.table = torch.view_as_real(rot).flatten(-2)
+        self._columns: list = [None]  # columns(), made on first use: a list that the rows views share
         self._means(self.bias[:, None].repeat(1, batch, 1, 1))
 
     def _means(self, mean: torch.Tensor) -> None:
         """mean (L, B, Hkv, D) f32, and its pairs (m1, m2) as rope_ pairs the elements: views, (L, B, Hkv, D/2)."""
         D = mean.shape[-1]
         self.mean = mean
+        self._operands = None  # operands(), per layer
         self.m1, self.m2 = (mean[..., : D // 2], mean[..., D // 2 :]) if self.neox else (mean[..., 0::2], mean[..., 1::2])
 
     @classmethod
@@ -72,6 +74,24 @@ class KeyBias:
         view = copy.copy(self)
         view._means(self.mean[:, start:stop])
         return view
+
+    def columns(self) -> torch.Tensor:
+        """The table in blocks of 16 positions, (n_ctx / 16 + 1, D, 16) f32, zeros past n_ctx: block i's columns are
+        positions 16 i .. 16 i + 15, as the CPU decode kernel reads them (kvcli/kernels/cpu/attention_rotated.py);
+        made once, shared by the rows views."""
+        if self._columns[0] is None:
+            n, D = self.table.shape
+            cols = torch.zeros(n // 16 + 1, 16, D)
+            cols.view(-1, D)[:n] = self.table
+            self._columns[0] = cols.transpose(1, 2).contiguous()
+        return self._columns[0]
+
+    def operands(self, layer: int) -> tuple:
+        """What the CPU decode kernel reads (kvcli/kernels/cpu/attention_rotated.py): this layer's means m (B, Hkv, D)
+        f32, the pair layout, the table's columns; numpy views, made once per layer (and rows view)."""
+        if self._operands is None:
+            self._operands = [(m.numpy(), self.neox, self.columns().numpy()) for m in self.mean.unbind(0)]
+        return self._operands[layer]
 
     def nbytes(self) -> int:
         return self.mean.numel() * self.mean.element_size()

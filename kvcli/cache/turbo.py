@@ -31,7 +31,7 @@ f16) and offsets (D f32) per layer and head, and the padding to 64 positions.
 A decode write of one position (no window; with one, decode writes N + 1 positions at once,
 kvcli/cache/window.py) changes only its bits, in place, from one small matmul. The kernels that read
 and write these layouts as they lie are the kernel table's (kvcli/kernel_table.py): on the CPU a decode
-step's products on the packed codes through torch's int4 GEMM (kvcli/kernels/cpu/attention_tq.py); on
+step's pass over the packed codes, a tile unpacked at a time (kvcli/kernels/cpu/attention_rotated.py); on
 CUDA the Triton attention kernel and the scale search (kvcli/kernels/gpu/), the store packing the codes.
 """
 

@@ -6,8 +6,7 @@ library (kvcli.attention.attend_reference, the stores' quantize_reference, the w
 One folder per device, the same roles in each:
     role                          cpu/ (numba, LLVM vectors; torch)        gpu/ (Triton)
     attention over dense/ggml     attention.py                             attention.py (every kind, one kernel)
-    attention over rotated codes  attention_rotated.py (q4_hadamard),      attention.py
-                                  attention_tq.py (tq, torch int4 GEMM)
+    attention over rotated codes  attention_rotated.py (q4_hadamard, tq)   attention.py
     attention, hidden-state cache -                                        hidden.py
     quantize on write             quantize.py (q4_hadamard; dense puts)    quantize.py
     weight products               weights.py (AVX512-VNNI), int4_tiles.py  weights.py

@@ -7,8 +7,8 @@ rows of N, T depending on the CPU's vector width (64 with AVX-512, 32 with AVX2)
 (tile, k, j), j < T / 2, holds W[T tile + j, k] (low nibble) and W[T tile + j + T / 2, k]
 (high); a tile's K * T / 2 bytes are contiguous. q4_hadamard stores its codes in exactly that
 layout (kvcli/cache/hadamard.py, kvcli/cache/turbo.py), with T found once by `tile_width()`, and
-so do kvcli's Int4 weights (kvcli/weights.py): the tq decode kernel (kvcli/kernels/cpu/attention_tq.py)
-and the weight products read them as they lie. Inputs and outputs are bf16, sums f32. The layout is
+so do kvcli's Int4 weights (kvcli/weights.py): the rotated types' decode kernel
+(kvcli/kernels/cpu/attention_rotated.py) and the weight products read them as they lie. Inputs and outputs are bf16, sums f32. The layout is
 private to torch, so `tile_width()` checks it against ours; where neither tile width matches or the
 op is missing, None.
 """

@@ -260,24 +260,35 @@ if numba is not None:
         return [builder.load(a) for a in slots]
 
 
-# ---- q4_hadamard's products over 4-bit codes (attention_rotated.py) ----
+# ---- the rotated types' products over 4-bit codes, u standing for d (u - mid) (attention_rotated.py) ----
+TABLE_LANES = VEC  # positions one table_scores call adds to
+
+
+def table_scores(tab, i, q, g0, s, col):
+    """Compiled only (table_scores1..4, a group of 1-4 query heads g0..): s[g0 + g, col + TABLE_LANES i + l] +=
+    sum_e q[g0 + g, e] tab[i, e, l] for l < TABLE_LANES: q (G, D) f32 against block i of tab (n / TABLE_LANES, D,
+    TABLE_LANES) f32 (the RoPE table of keys stored less their turning mean, kvcli/cache/key_bias.py, TABLE_LANES
+    positions a block: read in order), the sums in vector registers over e."""
+    raise NotImplementedError
+
+
 NIBBLE_BYTES = VEC  # code bytes one vector step reads: two nibbles each
 
 
-def nibble_key_scores(kt, k, c, q, qsum, g0, dk, s, col):
+def nibble_key_scores(kt, k, c, q, qsum, g0, dk, s, col, mid):
     """Compiled only (nibble_key_scores1..4, a group of 1-4 query heads g0..): block k's part of the scores of
     2 NIBBLE_BYTES positions of a key tile kt (D, T / 2): with p_l = sum over the block's dimensions e = 32 k + i of
-    q[g0 + g, e] times the low nibble of kt[e, NIBBLE_BYTES c + l] (high: h_l), s[g0 + g, col + NIBBLE_BYTES c + l] += d_l (p_l - 8
-    qsum[g0 + g, k]) and s[g0 + g, col + T / 2 + NIBBLE_BYTES c + l] += d'_l (h_l - 8 qsum[g0 + g, k]), d and d' the
+    q[g0 + g, e] times the low nibble of kt[e, NIBBLE_BYTES c + l] (high: h_l), s[g0 + g, col + NIBBLE_BYTES c + l] += d_l (p_l - mid
+    qsum[g0 + g, k]) and s[g0 + g, col + T / 2 + NIBBLE_BYTES c + l] += d'_l (h_l - mid qsum[g0 + g, k]), d and d' the
     positions' block-k scales in dk (T,) bf16 bits (int16), the tile's. The codes are widened once for the group;
     the sums stay in vector registers."""
     raise NotImplementedError
 
 
-def nibble_value_sums(vt, t0, t1, c, s, col_s, dlo, dhi, g0, acc, col):
+def nibble_value_sums(vt, t0, t1, c, s, col_s, dlo, dhi, g0, acc, col, mid):
     """Compiled only (nibble_value_sums1..4, a group of 1-4 query heads g0..): over positions t0 <= t < t1 of a
     value tile vt (n_pad, W / 2), with p = s[g0 + g, col_s + t] (the position's weight), acc[g0 + g, col + NIBBLE_BYTES c + l]
-    += p dlo[t] (u - 8) for u the low nibble of vt[t, NIBBLE_BYTES c + l], and acc[g0 + g, col + W / 2 + NIBBLE_BYTES c + l] the
+    += p dlo[t] (u - mid) for u the low nibble of vt[t, NIBBLE_BYTES c + l], and acc[g0 + g, col + W / 2 + NIBBLE_BYTES c + l] the
     high nibble's with dhi[t]; dlo, dhi (n_pad,) the blocks' scales, bf16 bits (int16). The sums stay in vector
     registers over the positions."""
     raise NotImplementedError
@@ -321,7 +332,7 @@ if numba is not None:
                 d = ir_bf16(builder, ir_at(builder, dk, at))  # the positions' scales
                 for g in range(ng):
                     qk = ir_load(builder, ir_at(builder, qsum, rows[g], k), _F32)
-                    bias = builder.fmul(ir.Constant(_F32, 8.0), qk)
+                    bias = builder.fmul(args[9], qk)
                     addr = ir_at(builder, sc, rows[g], builder.add(col, at))
                     p = builder.fsub(sums[2 * g + j], ir_splat(builder, bias))
                     ir_store(builder, builder.call(fma, [d, p, ir_load(builder, addr, FLOATS)]), addr)
@@ -342,11 +353,11 @@ if numba is not None:
             byte = builder.mul(c, ir.Constant(_I64, NIBBLE_BYTES))
             fma = ir_fma(builder)
             rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
-            eight = ir.Constant(FLOATS, [8.0] * NIBBLE_BYTES)
+            mid = ir_splat(builder, args[11])
 
             def step(i, sums):
                 t = builder.add(t0, i)
-                lo, hi = (builder.fsub(u, eight) for u in _nibbles(builder, ir_at(builder, vt, t, byte)))
+                lo, hi = (builder.fsub(u, mid) for u in _nibbles(builder, ir_at(builder, vt, t, byte)))
                 d = [_bf16(builder, ir_at(builder, a, t)) for a in (dlo, dhi)]
                 out = []
                 for g in range(ng):
@@ -366,21 +377,50 @@ if numba is not None:
         return codegen
 
     def _key_intrinsic(ng: int):
-        def typer(typingctx, kt, k, c, q, qsum, g0, dk, s, col):
-            return (types.none(kt, types.int64, types.int64, q, qsum, types.int64, dk, s, types.int64),
+        def typer(typingctx, kt, k, c, q, qsum, g0, dk, s, col, mid):
+            return (types.none(kt, types.int64, types.int64, q, qsum, types.int64, dk, s, types.int64, types.float32),
                     _key_codegen(ng))
 
         return intrinsic(typer)
 
     def _value_intrinsic(ng: int):
-        def typer(typingctx, vt, t0, t1, c, s, col_s, dlo, dhi, g0, acc, col):
+        def typer(typingctx, vt, t0, t1, c, s, col_s, dlo, dhi, g0, acc, col, mid):
             return (types.none(vt, types.int64, types.int64, types.int64, s, types.int64, dlo, dhi, types.int64, acc,
-                               types.int64), _value_codegen(ng))
+                               types.int64, types.float32), _value_codegen(ng))
 
         return intrinsic(typer)
 
     nibble_key_scores1, nibble_key_scores2, nibble_key_scores3, nibble_key_scores4 = (_key_intrinsic(g) for g in (1, 2, 3, 4))
     nibble_value_sums1, nibble_value_sums2, nibble_value_sums3, nibble_value_sums4 = (_value_intrinsic(g) for g in (1, 2, 3, 4))
+
+    def _table_codegen(ng: int):
+        def codegen(context, builder, sig, args):
+            tab, q, sc = (context.make_array(sig.args[j])(context, builder, args[j]) for j in (0, 2, 4))
+            i, g0, col = args[1], args[3], args[5]
+            fma = ir_fma(builder)
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+            zero = ir.Constant(_I64, 0)
+
+            def step(e, sums):
+                v = ir_load(builder, ir_at(builder, tab, i, e, zero), FLOATS)
+                return [builder.call(fma, [ir_splat(builder, ir_load(builder, ir_at(builder, q, rows[g], e), _F32)), v,
+                                           sums[g]]) for g in range(ng)]
+
+            sums = ir_sums_loop(builder, cgutils.unpack_tuple(builder, q.shape)[1], ng, step)
+            for g in range(ng):
+                addr = ir_at(builder, sc, rows[g], builder.add(col, builder.mul(i, ir.Constant(_I64, VEC))))
+                ir_store(builder, builder.fadd(ir_load(builder, addr, FLOATS), sums[g]), addr)
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _table_intrinsic(ng: int):
+        def typer(typingctx, tab, i, q, g0, s, col):
+            return types.none(tab, types.int64, q, types.int64, s, types.int64), _table_codegen(ng)
+
+        return intrinsic(typer)
+
+    table_scores1, table_scores2, table_scores3, table_scores4 = (_table_intrinsic(g) for g in (1, 2, 3, 4))
 
 
 # ---- ggml blocks widened to f32 (attention.py) ----
