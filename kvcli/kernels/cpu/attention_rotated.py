@@ -26,6 +26,7 @@ benchmarks/README.md."""
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numpy as np
@@ -315,9 +316,10 @@ def _attend_threaded(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, v
 READS_KEY_MEAN = True  # attend takes keys stored less their turning mean as KeyBias.operands, added in the pass
 
 
+@functools.cache
 def formats(k_layout, v_layout) -> tuple[np.ndarray, np.ndarray]:
     """_attend's fmt and mid of a K and V layout pair: q4_hadamard's (4 bits, 32 per scale, u - 8) or tq's (its
-    bits and scale block, its uniform codebook's u - mid)."""
+    bits and scale block, its uniform codebook's u - mid). Made once per pair (not per layer and token); read only."""
     fmt, mid = [], []
     for lay in (k_layout, v_layout):
         tq = lay.kind in (Kind.TQ_KEYS, Kind.TQ_VALUES)
