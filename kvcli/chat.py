@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from kvcli.errors import KvcliError
+from kvcli.prompt_cache import PromptCache
 from kvcli.sampler import Sampler
 from kvcli.timings import Timings
 
@@ -35,12 +36,15 @@ class Reply:
 
 
 def _stream(llm, ids: list[int], sampler: Sampler, n_predict: int, timings: Timings, stops: Sequence[str],
-            reply: Reply) -> None:
+            reply: Reply, after_prompt: Callable[[], None] | None = None) -> None:
     """Generate after ids, printing whole UTF-8 characters as they complete, until an
-    end-of-generation token, a -r string at the end of the text, n_predict or a full context."""
+    end-of-generation token, a -r string at the end of the text, n_predict or a full context.
+    after_prompt: called once the prompt is in the cache (before the first token is printed)."""
     stream = llm.tokenizer.stream()
     eog = llm.tokenizer.eog_ids
     for token in llm.generate(ids, n_predict, sampler, timings):
+        if after_prompt is not None and not reply.ids:
+            after_prompt()
         reply.ids.append(token)
         if token in eog:
             reply.end_of_text = True
@@ -64,28 +68,43 @@ def check_prompt_fits(llm, n_tokens: int) -> None:
 
 
 def complete(llm, text: str, sampler: Sampler, n_predict: int, display_prompt: bool, log: Callable,
-             timings: Timings, stops: Sequence[str] = ()) -> int:
-    """Exit code: 0, or 130 after Ctrl-C (the timings so far are printed either way)."""
+             timings: Timings, stops: Sequence[str] = (), cache_file: PromptCache | None = None) -> int:
+    """Exit code: 0, or 130 after Ctrl-C (the timings so far are printed either way). cache_file: --prompt-cache's
+    (the prompt starts after the longest prefix it holds; saved after the prompt, or at the end with -all)."""
     ids = llm.tokenize(text, special=True)  # as llama-completion: control tokens in the prompt are parsed
     if not ids:
         raise KvcliError("empty prompt: it tokenizes to no tokens")
     check_prompt_fits(llm, len(ids))
+    save_now = None
+    if cache_file is not None:
+        restored, _ = cache_file.restore(llm)
+        shared = common_prefix(restored, ids)
+        # the prefix kept; at least the last prompt token is evaluated again, for its logits (as llama.cpp)
+        llm.n_past = min(shared, len(ids) - 1)
+        if restored:
+            log(f"prompt cache: {llm.n_past} of the prompt's {len(ids)} tokens reused")
+        if not cache_file.save_all and shared < len(ids):  # as llama.cpp: a file holding the whole prompt stays
+            save_now = lambda: cache_file.save(llm)  # noqa: E731
     code, reply = 0, Reply()
     try:
         if display_prompt:
             _write(text)
-        _stream(llm, ids, sampler, n_predict, timings, stops, reply)
+        _stream(llm, ids[llm.n_past :], sampler, n_predict, timings, stops, reply, save_now)
         _write(" [end of text]\n" if reply.end_of_text else "\n")  # llama-completion's marker, on stdout
+        if cache_file is not None and cache_file.save_all:
+            cache_file.save(llm)
     except KeyboardInterrupt:
         _write("\n")  # the timings start on a line of their own
         code = 130
     except BrokenPipeError:
         _silence_stdout()
-    _finish(llm, timings, log)
+    _finish(llm, timings, log, cache_file)
     return code
 
 
-def _finish(llm, timings: Timings, log: Callable) -> None:
+def _finish(llm, timings: Timings, log: Callable, cache_file: PromptCache | None = None) -> None:
+    if cache_file is not None:
+        cache_file.report()
     if timings.context_full:
         log(f"context full ({llm.n_ctx} tokens): generation stopped; raise -c/--ctx-size for longer output")
     for line in timings.report():
@@ -103,18 +122,25 @@ def common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
 
 
 def chat_loop(llm, sampler: Sampler, n_predict: int, system: str | None, log: Callable, timings: Timings,
-              stops: Sequence[str] = ()) -> int:
+              stops: Sequence[str] = (), cache_file: PromptCache | None = None) -> int:
     """llama-cli's chat: read user turns from stdin, render the whole conversation with the model's
     template and evaluate only the tokens past what the cache already holds.
 
     Ctrl-C during a reply stops it and returns to the prompt (the partial reply stays in the
-    conversation); Ctrl-C at the prompt, Ctrl-D or /exit ends the session."""
+    conversation); Ctrl-C at the prompt, Ctrl-D or /exit ends the session. cache_file: --prompt-cache's: the
+    conversation it holds goes on (its messages and their cache), and it is saved after each reply."""
     tok = llm.tokenizer
     if not tok.chat_template:
         raise KvcliError("this model has no chat template (tokenizer.chat_template), so it cannot chat; "
                          "give a prompt with -p or -f for a completion")
     messages = [{"role": "system", "content": system}] if system else []
     cached: list[int] = []  # the ids in the cache, in order (the first llm.n_past are valid)
+    if cache_file is not None:
+        cached, extra = cache_file.restore(llm)
+        saved = _messages(extra)
+        if saved and (system is None or saved[0] == messages[0]):
+            messages = saved
+            log(f"prompt cache: the conversation goes on after its {len(saved)} messages")
     interactive = sys.stdin.isatty()
     log("chat mode: type a message; Ctrl-C stops a reply, Ctrl-D or /exit quits")
     code = 0
@@ -144,9 +170,19 @@ def chat_loop(llm, sampler: Sampler, n_predict: int, system: str | None, log: Ca
                 log("[reply stopped: Ctrl-C again or Ctrl-D quits]")
             cached = ids + reply.ids
             messages.append({"role": "assistant", "content": reply.text})
+            if cache_file is not None:
+                cache_file.save(llm, {"messages": messages})
             if timings.context_full:
                 break
     except BrokenPipeError:
         _silence_stdout()
-    _finish(llm, timings, log)
+    _finish(llm, timings, log, cache_file)
     return code
+
+
+def _messages(extra: dict) -> list[dict]:
+    """The chat messages a prompt cache file was saved with ([] where it holds none in their form)."""
+    saved = extra.get("messages")
+    ok = isinstance(saved, list) and all(isinstance(m, dict) and set(m) == {"role", "content"}
+                                          and all(isinstance(v, str) for v in m.values()) for m in saved)
+    return saved if ok else []

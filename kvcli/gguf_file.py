@@ -12,6 +12,7 @@ ggml order (ne0 = columns first); torch wants (rows, cols), so shapes are revers
 
 from __future__ import annotations
 
+import hashlib
 import math
 import mmap
 import struct
@@ -70,6 +71,21 @@ class GGUFModel:
 
     def weight_bytes(self) -> int:
         return sum(int(t.n_bytes) for t in self.tensors.values())
+
+    def identity(self) -> dict:
+        """What names this model in a state file (kvcli/cache/state.py): its architecture, and a SHA-256 of the
+        file's header, metadata and tensor table with 64 pages of its tensor data spread evenly over them (read from
+        the map: a saved cache is refused on any other file without reading the whole of this one)."""
+        data = np.frombuffer(self.mapping, np.uint8) if self.mapping is not None else None
+        digest = hashlib.sha256()
+        if data is not None:
+            start = min(int(t.data_offset) for t in self.tensors.values())
+            digest.update(data[:start])
+            for i in range(64):
+                at = start + (len(data) - start - 4096) * i // 63
+                digest.update(data[at : at + 4096])
+            self.drop_pages()
+        return {"architecture": self.config.arch, "layers": self.config.n_layers, "sha256": digest.hexdigest()}
 
 
 def drop_view_pages(view: np.ndarray) -> None:

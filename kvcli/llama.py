@@ -20,7 +20,7 @@ from typing import Callable, Iterator, Sequence
 import torch
 
 from kvcli.attention import Attention, warm_up as attention_warm_up
-from kvcli.cache import CacheSpec, make_cache
+from kvcli.cache import CacheSpec, make_cache, state
 from kvcli.errors import KvcliError
 from kvcli.sampler import Sampler
 from kvcli.timings import Timings
@@ -110,7 +110,7 @@ class Llama:
             raise KvcliError(f"unknown weights {weights!r}; choose {', '.join(WEIGHTS)}")
         if device != "cpu" and not torch.cuda.is_available():
             raise KvcliError(f"device {device!r} asked for, but torch sees no CUDA GPU")
-        self.synthetic = shape is not None
+        self.synthetic, self.shape = shape is not None, shape
         if self.synthetic:
             self.gguf, self.config = None, shape_config(shape)
         else:
@@ -173,6 +173,8 @@ class Llama:
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
+        self.held: list[int] = []  # the ids at sequence 0's positions (the first n_past are valid)
+        self._identity = None  # identity(), made on first use
 
     @property
     def tokenizer(self):
@@ -199,6 +201,25 @@ class Llama:
     def reset(self) -> None:
         """Forget what sequence 0 holds: the next `generate` or `eval` starts at position 0."""
         self.n_past = 0
+
+    def identity(self) -> dict:
+        """The model as a state file names it (kvcli/cache/state.py): the GGUF file's identity, or the --shape."""
+        if self._identity is None:
+            self._identity = {"shape": self.shape} if self.synthetic else self.gguf.identity()
+        return self._identity
+
+    def save_state(self, path: str | os.PathLike, extra: dict | None = None) -> int:
+        """Write sequence 0's cache, its n_past positions and their ids, to a state file (kvcli/cache/state.py);
+        extra: more to keep in its header (the chat's messages). Returns the file's bytes."""
+        return state.save(path, self.identity(), self.cache, 0, self.held[: self.n_past], extra)
+
+    def load_state(self, path: str | os.PathLike) -> tuple[list[int], dict]:
+        """Read a state file into sequence 0: the next `generate` or `eval` appends after its tokens. Returns its
+        token ids and the extra it was saved with. Raises KvcliError (the cache as it was) for a file of another
+        model or cache, another format version, or a damaged one."""
+        tokens, extra = state.load(path, self.identity(), self.cache, 0, self.config.vocab_size)
+        self.n_past, self.held = len(tokens), list(tokens)
+        return tokens, extra
 
     def _check_ids(self, ids: torch.Tensor) -> None:
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.config.vocab_size):
@@ -298,6 +319,7 @@ class Llama:
         Raises KvcliError: no ids, past the context, an id outside the vocabulary."""
         ids = list(ids)
         self._check_append(ids)
+        self.held[self.n_past :] = ids
         tokens = torch.as_tensor(ids, dtype=torch.long, device=self.device)[None]
         for i in range(0, tokens.shape[1], self.batch_size):
             if i:  # a long prompt's batches free temporaries of ever-new sizes (attention's chunks grow with the

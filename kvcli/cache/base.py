@@ -111,6 +111,19 @@ class Store:
     def nbytes(self) -> int:
         raise NotImplementedError
 
+    def position_axes(self) -> dict[str, tuple[int, int]]:
+        """For each of `batched`'s tensors that grows with the positions: (its axis once L and B are indexed,
+        positions per step along it); the others are whole per sequence (kvcli/cache/state.py saves both)."""
+        return {"data": (2, 1)}  # (L, B, Hkv, n_ctx, ...)
+
+    def row_state(self, row: int) -> torch.Tensor | None:
+        """What this store knows of sequence row outside `batched`'s tensors, as a small uint8 tensor, or None."""
+        return None
+
+    def restored(self, row: int, state: torch.Tensor | None) -> None:
+        """Sequence row's bytes were just written back (kvcli/cache/state.py), with its row_state: set what lives
+        outside the tensors, and forget what was made from the old bytes."""
+
     def rows(self, start: int, stop: int) -> "Store":
         """Sequences start..stop-1 as a store of their own over the same bytes (a view): the server's slots
         are rows of one cache, so that one step attends for all of them at once (KVCache.rows)."""

@@ -131,6 +131,14 @@ class RotatedStore(Store):
             self.offset_set[layer][rows] = [True] * self.batch
         return r - self.offset[layer]
 
+    def row_state(self, row: int) -> torch.Tensor:
+        """Whether each layer's offset is set for sequence row: (L,) uint8."""
+        return torch.tensor([flags[self.row0 + row] for flags in self.offset_set], dtype=torch.uint8)
+
+    def restored(self, row: int, state: torch.Tensor | None) -> None:
+        for flags, was_set in zip(self.offset_set, state.tolist()):
+            flags[self.row0 + row] = bool(was_set)
+
     def ready(self, layer: int) -> bool:
         """Has this layer's offset been set for these sequences (or does this store use none)?"""
         return not self.centred or all(self.offset_set[layer][self.row0 : self.row0 + self.batch])
@@ -176,6 +184,10 @@ class HadamardQ4Store(RotatedStore):
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sink, self.offset))
+
+    def position_axes(self) -> dict[str, tuple[int, int]]:
+        """Keys' codes by tiles of `tile` positions, values' and the scales by position; sinks, offsets: whole."""
+        return {"data": (2, self.tile) if self.keys else (3, 1), "scale": (3, 1)}
 
     # ---- writing ----
     def kernel_layout(self) -> KernelLayout:

@@ -194,6 +194,15 @@ class TurboStore(RotatedStore):
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.data, self.scale, self.sink, self.offset))
 
+    def position_axes(self) -> dict[str, tuple[int, int]]:
+        """Keys' codes by tiles of `tile` positions, values' by groups of GROUP, the scales by position."""
+        return {"data": (2, self.tile) if self.keys else (3, GROUP), "scale": (3, 1)}
+
+    def restored(self, row: int, state: torch.Tensor | None) -> None:
+        super().restored(row, state)
+        for layer in range(self.n_layers):
+            self._prepared[layer] += 1  # the pair offsets made from the old offsets are stale
+
     # ---- writing ----
     def quantize_reference(self, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """y (B, T, H, D) f32 -> codes (B, T, H, D) uint8, scales (B, T, H, D / block) f32."""

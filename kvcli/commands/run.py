@@ -53,6 +53,13 @@ def run_command(
     weights: str = WeightsOpt,
     display_prompt: bool = typer.Option(True, "--display-prompt/--no-display-prompt", help="Echo the prompt."),
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the model and its cache run."),
+    prompt_cache: Optional[Path] = typer.Option(None, "--prompt-cache", help="Keep the prompt's cache in this file "
+                                                "(llama.cpp's): restored where it exists and its tokens begin the "
+                                                "prompt, saved after the prompt; the chat keeps its conversation."),
+    prompt_cache_all: bool = typer.Option(False, "--prompt-cache-all",
+                                          help="With --prompt-cache: save the generated tokens too."),
+    prompt_cache_ro: bool = typer.Option(False, "--prompt-cache-ro",
+                                         help="With --prompt-cache: restore from the file, never write it."),
 ):
     """Complete a prompt (llama-completion), or chat through the model's template (llama-cli): with
     no prompt on a model that has a chat template, or with -cnv (then -p/-f is the system prompt).
@@ -80,6 +87,11 @@ def run_command(
             system_prompt = process_escapes(system_prompt) if system_prompt else system_prompt
         if conversation is False and not text:
             raise KvcliError("empty prompt: give one with -p or -f (-no-cnv turns the chat off)")
+        if (prompt_cache_all or prompt_cache_ro) and prompt_cache is None:
+            raise KvcliError("--prompt-cache-all and --prompt-cache-ro go with --prompt-cache FILE")
+        from kvcli.prompt_cache import PromptCache
+
+        cache_file = PromptCache(prompt_cache, prompt_cache_all, prompt_cache_ro, log) if prompt_cache else None
         path = resolve_model(model_arg, model)
 
         from kvcli.chat import chat_loop, complete
@@ -106,7 +118,8 @@ def run_command(
         log(f"sampler seed: {sampler.seed}")
         timings = Timings(load_seconds=llm.load_seconds)
         if chat:
-            code = chat_loop(llm, sampler, n_predict, system_prompt or text or None, log, timings, reverse_prompt)
+            code = chat_loop(llm, sampler, n_predict, system_prompt or text or None, log, timings, reverse_prompt,
+                             cache_file)
         else:
-            code = complete(llm, text, sampler, n_predict, display_prompt, log, timings, reverse_prompt)
+            code = complete(llm, text, sampler, n_predict, display_prompt, log, timings, reverse_prompt, cache_file)
     raise typer.Exit(code)
