@@ -310,7 +310,8 @@ def test_metrics_parse_and_props(server, client):
     m = _metrics(server)
     assert m["kvcli:prompt_tokens_total"] > 0 and m["kvcli:tokens_predicted_total"] >= 2
     props = httpx.get(server + "/props", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
-    assert set(props) == {"model", "total_slots", "n_ctx", "n_ctx_slot", "cache", "chat_template"}
+    assert set(props) == {"model", "total_slots", "n_ctx", "n_ctx_slot", "cache", "chat_template", "prompt_cache_ram"}
+    assert props["prompt_cache_ram"]["budget_bytes"] == 8192 << 20  # llama-server's default --cache-ram
     assert set(props["cache"]) == {"mode", "type_k", "type_v", "type_h", "window", "bytes", "bytes_in_use", "cells",
                                    "cells_in_use"}
     c = props["cache"]
@@ -320,6 +321,13 @@ def test_metrics_parse_and_props(server, client):
     assert c["bytes"] == m["kvcli:kv_cache_bytes"] == 30 * 4 * SLOT * 192 * 4 * 2 and c["cells"] == 4 * SLOT
     assert 0 < c["cells_in_use"] <= c["cells"] and c["bytes_in_use"] == c["bytes"] * c["cells_in_use"] // c["cells"]
     assert props["model"] == "SmolLM2-135M-Instruct.Q4_1.gguf" and props["chat_template"] is True
+
+
+def test_slots_and_no_slot_files_without_a_save_path(server, client):
+    slots = httpx.get(server + "/slots", headers={"Authorization": f"Bearer {KEY}"}, timeout=10).json()
+    assert [s["id"] for s in slots] == [0, 1, 2, 3] and all(s["n_ctx"] == SLOT for s in slots)
+    r = _post(server, "/slots/0?action=save", {"filename": "x.bin"})
+    assert r.status_code == 501 and "--slot-save-path" in r.json()["error"]["message"]
 
 
 def test_tokenize_detokenize_and_models(server, client):

@@ -236,8 +236,13 @@ def load(path: str | os.PathLike, model: dict, cache, row: int, vocab_size: int)
                         if length else torch.zeros(p.tensor.shape, dtype=p.tensor.dtype))
         if f.read(32) != digest.digest():
             raise fail("checksum mismatch (the file is damaged)")
-    for p, t in zip(pieces, read):
+    put(cache, pieces, read)
+    return tokens, extra
+
+
+def put(cache, pieces: list[Part], tensors: list[torch.Tensor]) -> None:
+    """Write tensors (as pieces' own, same shapes) back in pieces' places: a saved state into the cache."""
+    for p, t in zip(pieces, tensors):
         p.put(t.to(p.tensor.device))
     if isinstance(cache, HiddenCache):
         cache._x_key = None  # the chunk of x it kept is of the old bytes
-    return tokens, extra

@@ -3,6 +3,7 @@ so `kvcli --help` imports neither torch nor the web stack)."""
 
 from __future__ import annotations
 
+import os
 from pathlib import Path
 from typing import Optional
 
@@ -12,6 +13,7 @@ from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOp
                                    WeightsOpt, WindowOpt, KeyBiasOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device, parse_dtype,
                                    parse_flash_attn, parse_threads, parse_weights, resolve_model, user_errors)
 from kvcli.errors import KvcliError
+from kvcli.memory import MIB
 
 
 def serve_command(
@@ -30,7 +32,14 @@ def serve_command(
     host: str = typer.Option("127.0.0.1", "--host", help="Address to listen on."),
     port: int = typer.Option(8080, "--port", help="Port to listen on."),
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` "
-                                                                  "(/ and /health stay open)."),
+                                                                  "(/, /health, /v1/health, /models and /v1/models "
+                                                                  "stay open)."),
+    cache_ram: int = typer.Option(8192, "-cram", "--cache-ram", help="MiB of host RAM for finished conversations' "
+                                  "caches, in their packed form: a request on any slot starts from the longest prefix "
+                                  "they share with it (llama-server's; -1: no limit, 0: off)."),
+    slot_save_path: Optional[Path] = typer.Option(None, "--slot-save-path", help="Folder for slot files: POST "
+                                                  "/slots/{id}?action=save|restore with {\"filename\": NAME} keeps a "
+                                                  "slot's cache there (made if absent)."),
     cache_type_k: Optional[str] = CtkOpt,
     cache_type_v: Optional[str] = CtvOpt,
     cache_mode: str = CacheModeOpt,
@@ -44,8 +53,8 @@ def serve_command(
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the model and its caches run."),
 ):
     """An OpenAI-compatible server (llama-server): /v1/chat/completions, /v1/completions, /v1/models, /health,
-    /tokenize, /detokenize, /metrics, /props and a chat page at /. The -np slots decode together, one batched
-    step at a time; SIGINT/SIGTERM stop it."""
+    /tokenize, /detokenize, /metrics, /props, /slots (with --slot-save-path: POST /slots/{id}?action=save|restore|
+    erase) and a chat page at /. The -np slots decode together, one batched step at a time; SIGINT/SIGTERM stop it."""
     with user_errors():
         spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias)  # fail before loading
         fa = parse_flash_attn(flash_attn)
@@ -58,6 +67,8 @@ def serve_command(
             raise KvcliError(f"-b/--batch-size takes 1 or more, not {batch_size}")
         if queue is not None and queue < 0:
             raise KvcliError(f"--queue takes 0 or more, not {queue}")
+        if cache_ram < -1:
+            raise KvcliError(f"--cache-ram takes MiB, -1 (no limit) or 0 (off), not {cache_ram}")
         if not 0 <= port <= 65535:
             raise KvcliError(f"--port takes 0..65535, not {port}")
         if api_key is not None and not api_key:
@@ -66,6 +77,13 @@ def serve_command(
             raise KvcliError(f"-c {ctx_size} over -np {parallel} slots leaves under 2 tokens per slot")
         threads = parse_threads(threads)
         path = resolve_model(model_arg, model)
+        if slot_save_path is not None:
+            try:
+                slot_save_path.mkdir(parents=True, exist_ok=True)
+            except OSError as e:
+                raise KvcliError(f"--slot-save-path {slot_save_path}: {e.strerror}") from None
+            if not os.access(slot_save_path, os.W_OK):
+                raise KvcliError(f"--slot-save-path {slot_save_path}: not writable")
 
         from kvcli.serve.app import Server, serve
 
@@ -86,8 +104,11 @@ def serve_command(
             log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, {dtype} compute, {weights} weights, loaded in "
                 f"{llm.load_seconds:.2f} s)")
             warn_known_loss(llm)
-            return Engine(llm, parallel, queue)
+            from kvcli.serve.prompt_ram import PromptRam
 
-        server = Server(path.name, ctx_size, parallel, spec, api_key)
+            ram = None if cache_ram == 0 else PromptRam(None if cache_ram < 0 else cache_ram * MIB)
+            return Engine(llm, parallel, queue, ram)
+
+        server = Server(path.name, ctx_size, parallel, spec, api_key, slot_save_path)
         code = serve(load, server, host, port, log)
     raise typer.Exit(code)

@@ -20,23 +20,25 @@ import time
 import uuid
 import weakref
 from importlib import resources
+from pathlib import Path
 from typing import Callable
 
 import uvicorn
-from fastapi import Depends, FastAPI, Request
+from fastapi import Body, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import HTMLResponse, JSONResponse, PlainTextResponse, StreamingResponse
 from starlette.exceptions import HTTPException
 
 from kvcli.errors import KvcliError
-from kvcli.serve import metrics
+from kvcli.serve import metrics, slot_files
 from kvcli.serve.engine import Done, Engine, Failed, Piece, QueueFull, Request as Job, timings
 from kvcli.serve.schemas import ApiError, ChatBody, CompletionBody, DetokenizeBody, Sampling, TokenizeBody
 
 log = logging.getLogger("kvcli.serve")
 PUBLIC = {"/", "/health", "/v1/health", "/models", "/v1/models"}  # open without the key, as llama-server's
 ERROR_TYPES = {400: "invalid_request_error", 401: "authentication_error", 404: "not_found_error",
-               405: "invalid_request_error", 500: "server_error", 503: "unavailable_error"}
+               405: "invalid_request_error", 409: "invalid_request_error", 500: "server_error",
+               501: "not_supported_error", 503: "unavailable_error"}
 
 
 def error_response(status: int, message: str, param: str | None = None) -> JSONResponse:
@@ -51,8 +53,10 @@ def error_response(status: int, message: str, param: str | None = None) -> JSONR
 class Server:
     """What the routes read: the engine (None while the model loads) and the facts /props gives."""
 
-    def __init__(self, model_name: str, n_ctx: int, n_slots: int, spec, api_key: str | None):
+    def __init__(self, model_name: str, n_ctx: int, n_slots: int, spec, api_key: str | None,
+                 slot_save_path: Path | None = None):
         self.model_name, self.n_ctx, self.n_slots, self.spec, self.api_key = model_name, n_ctx, n_slots, spec, api_key
+        self.slot_save_path = slot_save_path  # --slot-save-path: where /slots/{id}?action=save|restore keep files
         self.engine: Engine | None = None
         self.created = int(time.time())
 
@@ -175,7 +179,31 @@ def create_app(server: Server) -> FastAPI:
                 "n_ctx_slot": e.n_ctx_slot,
                 "cache": {"mode": s.mode, "type_k": s.type_k if kv else None, "type_v": s.type_v if kv else None,
                           "type_h": None if kv else s.type_h, "window": s.window} | e.cache_stats(),
-                "chat_template": bool(e.tok.chat_template)}
+                "chat_template": bool(e.tok.chat_template),
+                "prompt_cache_ram": e.ram.stats() if e.ram is not None else None}
+
+    @app.get("/slots")
+    def get_slots():
+        e = server.ready()
+        return [{"id": s.index, "n_ctx": e.n_ctx_slot, "is_processing": s.req is not None,
+                 "tokens_cached": len(s.cached), "cache_bytes_in_use": s.cells_bytes()[0]} for s in e.slots]
+
+    @app.post("/slots/{id_slot}")
+    async def slot_action(id_slot: int, action: str = "", body: dict = Body(default_factory=dict)):
+        e = server.ready()
+        if action not in slot_files.ACTIONS:
+            raise ApiError(400, f"action {action!r}: choose save, restore or erase", "action")
+        if action != "erase" and server.slot_save_path is None:
+            raise ApiError(501, "this server keeps no slot files: start it with --slot-save-path DIR")
+        if action == "erase":
+            work = lambda: slot_files.erase(e, id_slot)  # noqa: E731
+        else:
+            do = slot_files.save if action == "save" else slot_files.restore
+            work = lambda: do(e, id_slot, server.slot_save_path, body.get("filename"))  # noqa: E731
+        try:
+            return await asyncio.wrap_future(e.call(work))
+        except QueueFull as err:
+            raise ApiError(503, str(err)) from None
 
     @app.get("/metrics")
     def get_metrics():

@@ -21,6 +21,7 @@ import logging
 import threading
 import time
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Callable
 
@@ -32,6 +33,7 @@ from kvcli.chat import common_prefix
 from kvcli.errors import KvcliError
 from kvcli.sampler import Sampler
 from kvcli.memory import MIB, check_fits
+from kvcli.serve.prompt_ram import PromptRam
 from kvcli.serve.slots import Slots
 from kvcli.weights import warm_up as weights_warm_up
 
@@ -136,7 +138,8 @@ def slot_caches(llm, n_slots: int) -> list:
 class Engine:
     """Slots over one Llama (its cache is slot 0's; its n_ctx is the slot context, c / np)."""
 
-    def __init__(self, llm, n_slots: int, queue_size: int | None = None):
+    def __init__(self, llm, n_slots: int, queue_size: int | None = None, ram: PromptRam | None = None):
+        """ram: the host-RAM prompt cache (--cache-ram; None: off)."""
         if n_slots < 1:
             raise KvcliError(f"-np/--parallel takes 1 or more slots, not {n_slots}")
         self.llm, self.model, self.tok = llm, llm.model, llm.tokenizer
@@ -149,7 +152,9 @@ class Engine:
         if llm.device == "cpu":
             weights_warm_up(self.model, n_slots)  # a step multiplies up to n_slots decode rows
         self.queue_size = 4 * n_slots if queue_size is None else queue_size
+        self.ram = ram
         self.pending: deque[Request] = deque()
+        self.tasks: deque[tuple[Callable, Future]] = deque()  # work for the engine thread between steps (call)
         self.cond = threading.Condition()
         self.stopping = False
         self.announced = 0  # requests the HTTP side has begun to prepare (template, tokens) and not yet submitted
@@ -197,6 +202,29 @@ class Engine:
             self._withdraw(ticket)
             self.cond.notify()
 
+    def call(self, fn: Callable[[], object]) -> Future:
+        """Run fn on the engine thread between two steps (a slot's save, restore or erase: no step then touches the
+        caches); its result or exception in the future. QueueFull when the server is stopping."""
+        fut: Future = Future()
+        with self.cond:
+            if self.stopping:
+                raise QueueFull("the server is shutting down")
+            self.tasks.append((fn, fut))
+            self.cond.notify()
+        return fut
+
+    def _run_tasks(self) -> None:
+        while True:
+            with self.cond:
+                if not self.tasks:
+                    return
+                fn, fut = self.tasks.popleft()
+            if fut.set_running_or_notify_cancel():
+                try:
+                    fut.set_result(fn())
+                except BaseException as e:  # noqa: BLE001  (handed to the caller)
+                    fut.set_exception(e)
+
     def stop(self) -> None:
         """Refuse new requests; the loop fails what waits or runs (its streams end) and returns."""
         with self.cond:
@@ -239,7 +267,8 @@ class Engine:
         """The loop: assign waiting requests to idle slots, step, until stop()."""
         while True:
             with self.cond:
-                while not self.stopping and not self.pending and all(s.req is None for s in self.slots):
+                while (not self.stopping and not self.pending and not self.tasks
+                       and all(s.req is None for s in self.slots)):
                     self.cond.wait()
                 if self.stopping:
                     break
@@ -250,6 +279,8 @@ class Engine:
                         self.cond.wait(deadline - time.perf_counter())
                 self._assign()
             self.step()
+            self._run_tasks()
+        self._run_tasks()  # what came before the stop still runs (a save's caller waits for it)
         with self.cond:
             waiting, self.pending = list(self.pending), deque()
         for r in waiting + [s.req for s in self.slots if s.req is not None]:
@@ -269,6 +300,10 @@ class Engine:
                 return
             self.pending.popleft()
             best = max(idle, key=lambda s: (common_prefix(s.cached, req.prompt), -s.index))
+            if self.ram is not None:  # another conversation's longer prefix, from RAM into this slot
+                tokens = self.ram.restore_longer(best.cache, best.cached, req.prompt)
+                if tokens is not None:
+                    best.cached = tokens
             best.start(req, self.tok)
 
     def step(self) -> None:
@@ -358,6 +393,8 @@ class Engine:
         predicted_s = now - s.t_gen
         req.emit(Done(reason, len(req.prompt) - s.cache_n, s.cache_n, s.n_out, s.prompt_s * 1000, predicted_s * 1000))
         s.req, s.next_token = None, None
+        if self.ram is not None:
+            self.ram.put(s.cache, s.cached)
 
 
 def timings(d: Done) -> dict:

@@ -27,6 +27,17 @@ def render(engine) -> str:
         ("kv_cache_cells", "gauge", "Cache cells (positions) of all slots.", cache["cells"]),
         ("kv_cache_cells_in_use", "gauge", "Cache cells holding a position.", cache["cells_in_use"]),
     ]
+    if engine.ram is not None:
+        ram = engine.ram.stats()
+        rows += [
+            ("prompt_cache_ram_bytes", "gauge", "Bytes held by the host-RAM prompt cache (--cache-ram).", ram["bytes"]),
+            ("prompt_cache_ram_entries", "gauge", "Conversations the host-RAM prompt cache holds.", ram["entries"]),
+            ("prompt_cache_ram_hits_total", "counter", "Requests started from a prefix in the host-RAM prompt cache.",
+             ram["hits"]),
+            ("prompt_cache_ram_lookups_total", "counter", "Requests that looked in the host-RAM prompt cache.",
+             ram["lookups"]),
+            ("prompt_cache_ram_hit_rate", "gauge", "Hits over lookups of the host-RAM prompt cache.", ram["hit_rate"]),
+        ]
     out = []
     for name, kind, help_text, value in rows:
         out += [f"# HELP kvcli:{name} {help_text}", f"# TYPE kvcli:{name} {kind}", f"kvcli:{name} {value}"]
