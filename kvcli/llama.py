@@ -15,6 +15,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from dataclasses import replace
 from typing import Callable, Iterator, Sequence
 
 import torch
@@ -31,7 +32,8 @@ from kvcli.weights import rms_norm
 from kvcli.memory import check_fits, return_freed_memory
 from kvcli.model import Transformer, dtype_from_name
 from kvcli.pull import pull_default
-from kvcli.shapes import random_forms, shape_config, synthetic_types, weight_bytes
+from kvcli.cache.layers import for_layers
+from kvcli.shapes import random_forms, resident_weight_bytes, shape_config, synthetic_types, weight_bytes
 
 
 class _DefaultModel:
@@ -68,7 +70,7 @@ class Llama:
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
                  device: str = "cpu", log: Callable[[str], None] | None = None, cache_mode: str = "kv",
                  cache_type_h: str = "f16", shape: str | None = None, weights: str = "native",
-                 cache_window: int | None = None, cache_key_bias: str = "auto"):
+                 cache_window: int | None = None, cache_key_bias: str = "auto", pipeline=None):
         """Load the model and allocate its cache.
 
         model_path: a GGUF file; left out, the default model (SmolLM2-135M-Instruct Q4_1) from the
@@ -90,6 +92,8 @@ class Llama:
         device: cpu or cuda.  log: called with each progress line (the cache's size; a fetch's).
         shape: a published configuration with random weights (kvcli.shapes), for speed and
             memory only; model_path is then ignored and there is no tokenizer.
+        pipeline: (Stage, Pipe) from kvcli.pipeline.join: this process holds one stage's layers and their cache;
+            on the first rank `generate`, `eval` and `logits` run through every stage.
 
         Raises KvcliError (one line): model_path None or not a path, a missing file, a directory, a
         file that is not a valid GGUF Llama model, a negative ctx_size, threads or cache_window, n_seq
@@ -124,14 +128,25 @@ class Llama:
         # kv, hidden or auto -> kv / hidden (auto: hidden only where smaller than K+V at these types)
         self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h,
                                     cache_window, cache_key_bias).resolved(c, self.n_ctx)
+        self.stage, self.pipe = pipeline if pipeline is not None else (None, None)
+        if self.stage is not None:  # this stage's layers alone, numbered from 0: its model and its cache
+            layers, spec = self.stage.layers, self.cache_spec
+            self.cache_spec = replace(spec, type_k=for_layers(spec.type_k, c.n_layers, layers),
+                                      type_v=for_layers(spec.type_v, c.n_layers, layers))
+            c = self.config = replace(c, n_layers=len(layers))
         self.cache_mode = self.cache_spec.mode
         self.attention = Attention(flash=flash_attn)  # how every cache of this run attends
         untied = not self.synthetic and "output.weight" in self.gguf.tensors
         types = synthetic_types(c) if self.synthetic else {n: t.tensor_type.name for n, t in self.gguf.tensors.items()}
         self.weights = weights
         if device == "cpu":
-            check_fits(weight_bytes(c, dtype, untied, weights, types, device), c, self.cache_spec, self.n_ctx, n_seq,
-                       what=f"a {self.n_ctx}-token context")
+            if self.stage is None:
+                resident = weight_bytes(c, dtype, untied, weights, types, device)
+            else:  # this stage's tensors
+                file_config = self.gguf.config
+                resident = sum(b for n, b in resident_weight_bytes(file_config, dtype, untied, weights, types,
+                                                                   device).items() if self.stage.wants(n, not untied))
+            check_fits(resident, c, self.cache_spec, self.n_ctx, n_seq, what=f"a {self.n_ctx}-token context")
 
         self._tokenizer = None
         if not self.synthetic:
@@ -144,7 +159,10 @@ class Llama:
         if self.synthetic:  # native: Q4_0 blocks of the random weights, in the device's form
             tensors = dict(random_forms(c, weights, dtype, device))
         else:
-            names = list(expected_shapes(c)) + [n for n in optional_shapes(c) if n in self.gguf.tensors]
+            file_config = self.gguf.config
+            names = list(expected_shapes(file_config)) + [n for n in optional_shapes(c) if n in self.gguf.tensors]
+            if self.stage is not None:
+                names = [n for n in names if self.stage.wants(n, not untied)]
             # Straight from the memory map to the resident form, one tensor at a time (peak: the
             # resident weights plus one tensor's copy); norms stay f32.
             tensors = {}
@@ -157,7 +175,11 @@ class Llama:
                     tensors[n] = form.to(device) if device != "cpu" else form
                     self.gguf.drop_pages()  # the file's pages read for it: peak = resident + one tensor
         self.device = device
-        self.model = Transformer(c, tensors, compute, self.n_ctx).to(device)
+        if self.stage is None:
+            self.model = Transformer(c, tensors, compute, self.n_ctx).to(device)
+        else:
+            self.model = Transformer(c, tensors, compute, self.n_ctx, self.stage.layers, self.stage.first,
+                                     self.stage.last).to(device)
         del tensors
         if not self.synthetic:  # fusing a layer's file blocks (q/k/v, gate/up) read their pages: copies now hold them
             self.gguf.drop_pages()
@@ -167,9 +189,14 @@ class Llama:
             attention_warm_up(self.cache)  # the decode kernel loads with the model, not in the first token's time
         if device == "cpu":
             weights_warm_up(self.model, rows=1)  # so do decode's product kernel and the norm's pass
-            rms_norm(torch.zeros(1, c.n_embd), self.model.output_norm, c.rms_eps)
+            if self.model.output_norm is not None:
+                rms_norm(torch.zeros(1, c.n_embd), self.model.output_norm, c.rms_eps)
         if torch.get_num_threads() != threads:  # numba's OpenMP pool, started by the kernels' load, set the OpenMP
             torch.set_num_threads(threads)  # runtime torch shares to its own count: -t 1 ran on two cores
+        # what a forward runs: the model, or on a pipeline's first rank every stage through the pipe
+        self.run = self.model if self.pipe is None else self.pipe.forward
+        if self.pipe is not None:
+            self.pipe.ready(self.model, self.cache)  # every stage loaded
         self.load_seconds = time.perf_counter() - t0
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
@@ -295,7 +322,9 @@ class Llama:
         for i in range(0, tokens.shape[1], self.batch_size):
             t = min(self.batch_size, tokens.shape[1] - i)
             keep = min(max(first - i, 0), t - 1)  # the batch's rows from here reach the head (at least one)
-            logits = self.model(tokens[:, i : i + t], cache, i, from_row=keep)  # rows keep..t-1
+            if cache is not self.cache and self.pipe is not None:
+                raise KvcliError("a pipeline's stages hold one cache each: another cache cannot run through them")
+            logits = self.run(tokens[:, i : i + t], cache, i, from_row=keep)  # rows keep..t-1
             lo, hi = max(first, i + keep), min(stop, i + t)
             if hi > lo:
                 yield lo - first, logits[:n, lo - i - keep : hi - i - keep]
@@ -324,7 +353,7 @@ class Llama:
         for i in range(0, tokens.shape[1], self.batch_size):
             if i:  # a long prompt's batches free temporaries of ever-new sizes (attention's chunks grow with the
                 return_freed_memory()  # position); glibc kept the holes: 5.5 GB at 16k before they went back
-            logits = self.model(tokens[:, i : i + self.batch_size], self.cache, self.n_past, last_only=True)
+            logits = self.run(tokens[:, i : i + self.batch_size], self.cache, self.n_past, last_only=True)
             self.n_past += min(self.batch_size, tokens.shape[1] - i)
         return logits[0, -1]
 

@@ -27,10 +27,12 @@ def _form(w, dtype: torch.dtype):
 
 
 class Block(nn.Module):
-    def __init__(self, c: ModelConfig, w: dict, i: int, dtype: torch.dtype):
+    def __init__(self, c: ModelConfig, w: dict, i: int, dtype: torch.dtype, layer: int | None = None):
+        """i: the file's layer (its tensors' names); layer: the cache's (a pipeline stage's own count, kvcli/pipeline.py;
+        i where None)."""
         super().__init__()
         p = f"blk.{i}."
-        self.c, self.layer = c, i
+        self.c, self.layer = c, i if layer is None else layer
         # Buffers, not parameters: no autograd, and .to(device) moves them.
         self.register_buffer("attn_norm", w[p + "attn_norm.weight"].float(), persistent=False)
         self.register_buffer("ffn_norm", w[p + "ffn_norm.weight"].float(), persistent=False)
@@ -73,25 +75,33 @@ class Block(nn.Module):
 
 
 class Transformer(nn.Module):
-    def __init__(self, c: ModelConfig, weights: dict, dtype: torch.dtype, n_ctx: int):
+    def __init__(self, c: ModelConfig, weights: dict, dtype: torch.dtype, n_ctx: int, layers: range | None = None,
+                 first: bool = True, last: bool = True):
         """weights: GGUF name -> resident form (kvcli.weights) for matrices, or a plain tensor (a
         matrix becomes Dense at `dtype`); norms and rope_freqs are plain tensors, kept f32. The blocks'
-        matrices are taken out of it (see Block)."""
+        matrices are taken out of it (see Block). A pipeline stage (kvcli/pipeline.py) holds the file's `layers`
+        only (numbered from 0 for its cache), the embedding if `first`, the norm and head if `last`."""
         super().__init__()
         self.c, self.dtype = c, dtype
-        self.tok_embd = _form(weights["token_embd.weight"], dtype)
+        self.layers = range(c.n_layers) if layers is None else layers
+        self.first, self.last = first, last
         # Tied embeddings: without output.weight the head reuses token_embd (as llama.cpp does).
         out = weights.get("output.weight")
-        self.output = self.tok_embd if out is None else _form(out, dtype)
         self.untied = out is not None
-        self.register_buffer("output_norm", weights["output_norm.weight"].float(), persistent=False)
-        self.blocks = nn.ModuleList(Block(c, weights, i, dtype) for i in range(c.n_layers))
+        embd = _form(weights["token_embd.weight"], dtype) if first or (last and out is None) else None
+        self.tok_embd = embd if first else None
+        self.output = (embd if out is None else _form(out, dtype)) if last else None
+        norm = weights["output_norm.weight"].float() if last else None
+        self.register_buffer("output_norm", norm, persistent=False)
+        self.blocks = nn.ModuleList(Block(c, weights, i, dtype, j) for j, i in enumerate(self.layers))
         self.register_buffer("rot", rope_table(c, n_ctx, weights.get("rope_freqs.weight")), persistent=False)
 
     def forms(self) -> dict:
         """Every resident matrix by a name (the tied head once): what `weight_bytes` must count."""
-        out = {"tok_embd": self.tok_embd} | ({"output": self.output} if self.untied else {})
-        return out | {f"blk.{i}.{k}": f for i, b in enumerate(self.blocks) for k, f in b.forms().items()}
+        out = {"tok_embd": self.tok_embd} if self.tok_embd is not None else {}
+        if self.output is not None and self.output is not self.tok_embd:
+            out["output"] = self.output
+        return out | {f"blk.{i}.{k}": f for i, b in zip(self.layers, self.blocks) for k, f in b.forms().items()}
 
     def weight_bytes(self) -> int:
         """Resident bytes of the weights: every form plus the f32 norms."""
@@ -103,11 +113,17 @@ class Transformer(nn.Module):
                 from_row: int = 0) -> torch.Tensor:
         """tokens (B, T) at positions pos..pos+T-1 -> logits (B, T or 1, vocab) f32; from_row: of rows from_row..T-1
         only (B, T - from_row, vocab)."""
-        T = tokens.shape[1]
-        h = self.tok_embd.rows(tokens)  # (B, T, n_embd) f32
-        rot = self.rot[pos : pos + T]
+        return self.head(self.run_blocks(self.tok_embd.rows(tokens), cache, pos), last_only, from_row)
+
+    def run_blocks(self, h: torch.Tensor, cache: Cache, pos: int) -> torch.Tensor:
+        """The residual stream h (B, T, n_embd) f32 at positions pos..pos+T-1 through this model's blocks."""
+        rot = self.rot[pos : pos + h.shape[1]]
         for block in self.blocks:
             h = block(h, cache, pos, rot)
+        return h
+
+    def head(self, h: torch.Tensor, last_only: bool = False, from_row: int = 0) -> torch.Tensor:
+        """The last block's h (B, T, n_embd) -> logits (B, T or 1 or T - from_row, vocab) f32."""
         if last_only:
             h = h[:, -1:]
         elif from_row:

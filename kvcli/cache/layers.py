@@ -84,6 +84,13 @@ def per_layer(spelling: str, n_layers: int) -> list[str]:
     return [named.get(i, default) for i in range(n_layers)]
 
 
+def for_layers(spelling: str, n_layers: int, layers: range) -> str:
+    """The spelling for a model of only `layers` (a pipeline stage, kvcli/pipeline.py), numbered from 0 there."""
+    types = per_layer(spelling, n_layers)[layers.start : layers.stop]
+    default = max(set(types), key=types.count)
+    return canonical("+".join([f"{t}={j}" for j, t in enumerate(types) if t != default] + [default]))
+
+
 def all_types(*spellings: str) -> tuple[str, ...]:
     """Every type a spelling names (its default included), in order, once."""
     out = []

@@ -208,6 +208,10 @@ def ctx_option(default: int, help: str) -> typer.models.OptionInfo:
     return typer.Option(default, "-c", "--ctx-size", "--ctx", help=help)
 
 
+PipelineOpt = typer.Option(False, "--pipeline", help="Run as one stage of the model's layers under torchrun (e.g. "
+                           "torchrun --nproc-per-node 2 -m kvcli.cli run ... --pipeline): each rank loads and caches "
+                           "its layers only, rank 0 reads and writes.")
+LayerSplitOpt = typer.Option(None, "--layer-split", help="With --pipeline: layers per rank, e.g. 10,14 (default: even).")
 ThreadsOpt = typer.Option(None, "-t", "--threads", help="CPU threads (-1: all cores; default: the cores idle at "
                                                          "start).")
 MAX_THREADS = 1024

@@ -7,7 +7,7 @@ from typing import Optional
 
 import typer
 
-from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt,
+from kvcli.commands.common import (CacheModeOpt, CthOpt, LayerSplitOpt, PipelineOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt,
                                    ThreadsOpt, WeightsOpt, WindowOpt, KeyBiasOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device,
                                    parse_dtype, parse_flash_attn, parse_threads, parse_weights, process_escapes,
                                    read_prompt, resolve_model, user_errors)
@@ -60,6 +60,8 @@ def run_command(
                                           help="With --prompt-cache: save the generated tokens too."),
     prompt_cache_ro: bool = typer.Option(False, "--prompt-cache-ro",
                                          help="With --prompt-cache: restore from the file, never write it."),
+    pipeline: bool = PipelineOpt,
+    layer_split: Optional[str] = LayerSplitOpt,
 ):
     """Complete a prompt (llama-completion), or chat through the model's template (llama-cli): with
     no prompt on a model that has a chat template, or with -cnv (then -p/-f is the system prompt).
@@ -94,32 +96,60 @@ def run_command(
         cache_file = PromptCache(prompt_cache, prompt_cache_all, prompt_cache_ro, log) if prompt_cache else None
         path = resolve_model(model_arg, model)
 
-        from kvcli.chat import chat_loop, complete
         from kvcli.llama import Llama
-        from kvcli.sampler import Sampler
-        from kvcli.timings import Timings
+        from kvcli.pipeline import start as start_pipeline
 
+        if pipeline and cache_file is not None:
+            raise KvcliError("--prompt-cache with --pipeline: each rank holds only its layers' cache (not yet saved "
+                             "together)")
+        stages, say = start_pipeline(path, layer_split, spec, ctx_size, dtype, weights, device) if pipeline else (None, log)
+        if layer_split is not None and not pipeline:
+            raise KvcliError("--layer-split goes with --pipeline")
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
-                    batch_size=batch_size, threads=threads, flash_attn=fa, log=log,
+                    batch_size=batch_size, threads=threads, flash_attn=fa, log=say,
                     cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
-                    cache_window=spec.window, cache_key_bias=spec.key_bias)
-        c = llm.config
-        log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
-            f"{llm.n_ctx} ctx, {dtype} compute, {weights} weights {llm.model.weight_bytes() / MIB:.1f} MiB, loaded in {llm.load_seconds:.2f} s)")
-        warn_known_loss(llm)
-        if llm.n_ctx > c.context_length:
-            log(f"warning: model was trained on only {c.context_length} context tokens ({llm.n_ctx} specified)")
-        chat = conversation if conversation is not None else (not text and bool(llm.tokenizer.chat_template))
-        if not chat and not text:
-            raise KvcliError("empty prompt: give one with -p or -f (this model has no chat template to chat with)")
-        sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
-                          repeat_last_n=repeat_last_n, seed=seed,
-                          banned=llm.tokenizer.eog_ids if ignore_eos else frozenset())
-        log(f"sampler seed: {sampler.seed}")
-        timings = Timings(load_seconds=llm.load_seconds)
-        if chat:
-            code = chat_loop(llm, sampler, n_predict, system_prompt or text or None, log, timings, reverse_prompt,
-                             cache_file)
-        else:
-            code = complete(llm, text, sampler, n_predict, display_prompt, log, timings, reverse_prompt, cache_file)
+                    cache_window=spec.window, cache_key_bias=spec.key_bias, pipeline=stages)
+        if stages is not None and not stages[0].first:  # a later stage: its layers for rank 0's steps, then exit 0
+            llm.pipe.serve()
+            llm.pipe.close()
+            raise typer.Exit(0)
+        try:
+            code = _after_load(llm, path, dtype, weights, conversation, text, temp, top_k, top_p, min_p,
+                               repeat_penalty, repeat_last_n, seed, ignore_eos, n_predict, system_prompt,
+                               reverse_prompt, cache_file, display_prompt)
+        finally:
+            if llm.pipe is not None:
+                try:
+                    llm.pipe.stop()
+                finally:
+                    llm.pipe.close()
     raise typer.Exit(code)
+
+
+def _after_load(llm, path, dtype, weights, conversation, text, temp, top_k, top_p, min_p, repeat_penalty,
+                repeat_last_n, seed, ignore_eos, n_predict, system_prompt, reverse_prompt, cache_file,
+                display_prompt) -> int:
+    """Rank 0's (or the one process's) part once the model is loaded: the chat or the completion; its exit code."""
+    from kvcli.chat import chat_loop, complete
+    from kvcli.sampler import Sampler
+    from kvcli.timings import Timings
+
+    c = llm.config
+    layers = f"{c.n_layers} layers" if llm.stage is None else f"{llm.gguf.config.n_layers} layers, {llm.stage.describe()}"
+    log(f"model: {path.name} ({c.arch}, {layers}, n_embd {c.n_embd}, {c.n_heads}/{c.n_kv_heads} heads, "
+        f"{llm.n_ctx} ctx, {dtype} compute, {weights} weights {llm.model.weight_bytes() / MIB:.1f} MiB, loaded in {llm.load_seconds:.2f} s)")
+    warn_known_loss(llm)
+    if llm.n_ctx > c.context_length:
+        log(f"warning: model was trained on only {c.context_length} context tokens ({llm.n_ctx} specified)")
+    chat = conversation if conversation is not None else (not text and bool(llm.tokenizer.chat_template))
+    if not chat and not text:
+        raise KvcliError("empty prompt: give one with -p or -f (this model has no chat template to chat with)")
+    sampler = Sampler(temp=temp, top_k=top_k, top_p=top_p, min_p=min_p, repeat_penalty=repeat_penalty,
+                      repeat_last_n=repeat_last_n, seed=seed,
+                      banned=llm.tokenizer.eog_ids if ignore_eos else frozenset())
+    log(f"sampler seed: {sampler.seed}")
+    timings = Timings(load_seconds=llm.load_seconds)
+    if chat:
+        return chat_loop(llm, sampler, n_predict, system_prompt or text or None, log, timings, reverse_prompt,
+                         cache_file)
+    return complete(llm, text, sampler, n_predict, display_prompt, log, timings, reverse_prompt, cache_file)

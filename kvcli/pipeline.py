@@ -1,0 +1,248 @@
+"""A model's layers over several processes (issue 44): pipeline stages over torch.distributed, started by torchrun.
+
+    torchrun --nproc-per-node 2 -m kvcli.cli run -m MODEL -p "..." --pipeline [--layer-split 10,14]
+
+Rank r loads only its layers' tensors (the first rank also the embedding, the last the output norm and head; a tied
+head's embedding there too) and holds only its layers' cache, of any type and mode. Rank 0 owns the command's input
+and output. A forward is: rank 0 broadcasts a header (what to run: batch, tokens, position, which logits), embeds
+the tokens and runs its layers; each rank passes the hidden state (B, T, n_embd) f32 to the next; the last applies
+the norm and head and sends the logits back to rank 0. Only hidden states and logits cross: n_embd values a token.
+
+Every rank checks before loading that all were started with the same model file (its identity), cache, context,
+dtype and split, and says which rank differs. The step traffic has a timeout (a rank that dies or stops answering
+ends the others within it, in one line naming the rank); rank 0 sends an idle header every few seconds while it
+waits for input (a chat), so the others' wait for the next step never runs into the timeout.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+
+from kvcli.errors import KvcliError
+
+TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+LOAD_TIMEOUT_S = 900  # every rank loads (numba's first compile included) before the first step
+STEP_TIMEOUT_S = 30  # a step's send, receive or header: past it, the rank waited on is taken as gone
+IDLE_EVERY_S = 5  # rank 0's idle header while it waits for input
+STOP, FORWARD, IDLE = 0, 1, 2  # header ops
+HEADER = 6  # op, B, T, pos, last_only, from_row (int64)
+
+
+@dataclass(frozen=True)
+class Stage:
+    rank: int
+    world: int
+    layers: range  # the file's layers this rank holds
+
+    @property
+    def first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def last(self) -> bool:
+        return self.rank == self.world - 1
+
+    def wants(self, name: str, tied: bool) -> bool:
+        """Does this rank load the file's tensor `name`? tied: the model has no output.weight (the head is the
+        embedding)."""
+        if name.startswith("blk."):
+            return int(name.split(".")[1]) in self.layers
+        if name == "token_embd.weight":
+            return self.first or (self.last and tied)
+        if name in ("output.weight", "output_norm.weight"):
+            return self.last
+        return True  # rope_freqs.weight: every rank's RoPE table
+
+    def describe(self) -> str:
+        a, b = self.layers.start, self.layers.stop - 1
+        return f"rank {self.rank} of {self.world}: layers {a}-{b}" + (", embedding" if self.first else "") + (
+            ", output" if self.last else "")
+
+
+def split(n_layers: int, world: int, given: str | None = None) -> list[range]:
+    """Each rank's layers: even (the first ranks one more where they do not divide), or `given` as llama.cpp's
+    --tensor-split reads: a count per rank (e.g. '10,14')."""
+    if given is None:
+        sizes = [n_layers // world + (r < n_layers % world) for r in range(world)]
+    else:
+        try:
+            sizes = [int(x) for x in given.split(",")]
+        except ValueError:
+            raise KvcliError(f"--layer-split takes a layer count per rank, e.g. 10,14, not {given!r}") from None
+        if len(sizes) != world or min(sizes) < 1 or sum(sizes) != n_layers:
+            raise KvcliError(f"--layer-split {given}: {world} counts of 1 or more summing to the model's {n_layers} "
+                             f"layers are needed")
+    if world > n_layers:
+        raise KvcliError(f"{world} pipeline stages for a {n_layers}-layer model: at most one stage a layer")
+    out, a = [], 0
+    for n in sizes:
+        out.append(range(a, a + n))
+        a += n
+    return out
+
+
+def join(n_layers: int, layer_split: str | None, facts: dict, device: str = "cpu") -> tuple[Stage, "Pipe"]:
+    """Join the torchrun job: this rank's stage and its pipe, once every rank's facts (model identity, cache,
+    context, flags) equal rank 0's."""
+    import torch.distributed as dist
+
+    missing = [k for k in TORCHRUN_ENV if k not in os.environ]
+    if missing:
+        raise KvcliError(f"--pipeline runs under torchrun (e.g. torchrun --nproc-per-node 2 -m kvcli.cli run ... "
+                         f"--pipeline): {', '.join(missing)} not set")
+    backend = "nccl" if device == "cuda" else "gloo"
+    try:
+        dist.init_process_group(backend, timeout=timedelta(seconds=LOAD_TIMEOUT_S))
+        steps = dist.new_group(backend=backend, timeout=timedelta(seconds=STEP_TIMEOUT_S))
+    except (RuntimeError, ValueError) as e:
+        raise KvcliError(f"pipeline: cannot join the torchrun job: {_first_line(e)}") from None
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if device == "cuda":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    stage = Stage(rank, world, split(n_layers, world, layer_split)[rank])
+    everyone: list = [None] * world
+    dist.all_gather_object(everyone, facts | {"layer split": layer_split or "even"})
+    for r, theirs in enumerate(everyone):
+        for key in everyone[0]:
+            if theirs.get(key) != everyone[0][key]:
+                raise KvcliError(f"pipeline: rank {r} was started with another {key} ({theirs.get(key)}) than rank 0 "
+                                 f"({everyone[0][key]}): every rank needs the same model file and flags")
+    return stage, Pipe(stage, steps, device)
+
+
+def start(path, layer_split: str | None, spec, ctx_size: int, dtype: str, weights: str, device: str):
+    """A command's --pipeline: join the job with the facts every rank must share -> ((Stage, Pipe), log), log the
+    command's logger, prefixed with the rank on every rank but the first (theirs go to stderr beside rank 0's)."""
+    from kvcli.commands.common import log
+    from kvcli.gguf_file import open_gguf
+
+    gguf = open_gguf(path)
+    facts = {"model file": f"{os.path.basename(path)} (sha256 {gguf.identity()['sha256'][:12]})",
+             "cache": f"{spec.mode} K {spec.type_k} V {spec.type_v} H {spec.type_h} window {spec.window} "
+                      f"key bias {spec.key_bias}", "context": ctx_size, "dtype": dtype, "weights": weights,
+             "device": device}
+    stage, pipe = join(gguf.config.n_layers, layer_split, facts, device)
+    say = log if stage.first else (lambda line: log(f"[rank {stage.rank}] {line}"))
+    say(f"pipeline: {stage.describe()}")
+    return (stage, pipe), say
+
+
+def _first_line(e: BaseException) -> str:
+    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+
+
+class Pipe:
+    """The step traffic of one stage. Rank 0: `forward` (what Llama runs its model with) and `stop`; the others:
+    `serve` until rank 0 stops."""
+
+    def __init__(self, stage: Stage, group, device: str):
+        self.stage, self.group, self.device = stage, group, device
+        self.lock = threading.Lock()  # a forward and the idle header never interleave
+        self.sent_bytes = 0  # hidden states and logits this rank sent
+        self.last = time.monotonic()
+        self._idle: threading.Thread | None = None
+        self.stopped = threading.Event()
+
+    def ready(self, model, cache) -> None:
+        """Every rank has loaded (the load's long timeout): from here on, steps."""
+        import torch.distributed as dist
+
+        self.model, self.cache = model, cache
+        dist.barrier()
+        if self.stage.first and self.stage.world > 1 and self._idle is None:
+            self._idle = threading.Thread(target=self._keep_alive, name="kvcli-pipeline-idle", daemon=True)
+            self._idle.start()
+
+    def _call(self, what: str, peer: int, fn, *args):
+        try:
+            return fn(*args)
+        except RuntimeError as e:  # torch.distributed's errors: a peer gone (connection closed) or past the timeout
+            self.stopped.set()
+            raise KvcliError(f"pipeline: rank {self.stage.rank} lost rank {peer} ({what}): {_first_line(e)}") from None
+
+    def _header(self, values: list[int] | None = None) -> list[int]:
+        import torch.distributed as dist
+
+        h = torch.tensor(values or [0] * HEADER, dtype=torch.int64)
+        self._call("waiting for the next step", 0, dist.broadcast, h, 0, self.group)
+        return h.tolist()
+
+    def _send(self, t: torch.Tensor, to: int) -> None:
+        import torch.distributed as dist
+
+        t = t.contiguous()
+        self._call("sending", to, dist.send, t, to, self.group)
+        self.sent_bytes += t.numel() * t.element_size()
+
+    def _recv(self, shape: tuple, frm: int) -> torch.Tensor:
+        import torch.distributed as dist
+
+        t = torch.empty(shape, dtype=torch.float32, device=self.device)
+        self._call("receiving", frm, dist.recv, t, frm, self.group)
+        return t
+
+    def _keep_alive(self) -> None:
+        while not self.stopped.wait(IDLE_EVERY_S / 2):
+            with self.lock:
+                if self.stopped.is_set() or time.monotonic() - self.last < IDLE_EVERY_S:
+                    continue
+                try:
+                    self._header([IDLE, 0, 0, 0, 0, 0])
+                except KvcliError:
+                    return  # the next forward reports it
+                self.last = time.monotonic()
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, cache, pos: int, last_only: bool = False,
+                from_row: int = 0) -> torch.Tensor:
+        """Rank 0: Transformer.forward over every stage -> logits (B, T or 1 or T - from_row, vocab) f32."""
+        model, s = self.model, self.stage
+        if s.world == 1:
+            return model(tokens, cache, pos, last_only, from_row)
+        B, T = tokens.shape
+        with self.lock:
+            if self.stopped.is_set():
+                raise KvcliError("pipeline: stopped after an earlier failure")
+            self._header([FORWARD, B, T, pos, int(last_only), from_row])
+            self._send(model.run_blocks(model.tok_embd.rows(tokens), cache, pos), 1)
+            rows = 1 if last_only else T - from_row
+            logits = self._recv((B, rows, model.c.vocab_size), s.world - 1)
+            self.last = time.monotonic()
+        return logits
+
+    @torch.inference_mode()
+    def serve(self) -> None:
+        """Ranks after the first: run this stage's layers on each step rank 0 starts, until it stops."""
+        s, c = self.stage, self.model.c
+        while True:
+            op, B, T, pos, last_only, from_row = self._header()
+            if op == STOP:
+                return
+            if op == IDLE:
+                continue
+            h = self.model.run_blocks(self._recv((B, T, c.n_embd), s.rank - 1), self.cache, pos)
+            if s.last:
+                self._send(self.model.head(h, bool(last_only), from_row), 0)
+            else:
+                self._send(h, s.rank + 1)
+
+    def stop(self) -> None:
+        """Rank 0: end every later stage's `serve` (a new model may follow through `ready`)."""
+        if self.stage.first and self.stage.world > 1 and not self.stopped.is_set():
+            with self.lock:
+                self._header([STOP, 0, 0, 0, 0, 0])
+
+    def close(self) -> None:
+        """Leave the job (every rank, last)."""
+        import torch.distributed as dist
+
+        self.stopped.set()
+        with self.lock:
+            if dist.is_initialized():
+                dist.destroy_process_group()
