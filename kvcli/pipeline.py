@@ -4,7 +4,7 @@
 
 Rank r loads only its layers' tensors (the first rank also the embedding, the last the output norm and head; a tied
 head's embedding there too) and holds only its layers' cache, of any type and mode. Rank 0 owns the command's input
-and output. A forward is: rank 0 broadcasts a header (what to run: batch, tokens, position, which logits), embeds
+and output. A forward is: rank 0 sends each rank a header (what to run: batch, tokens, position, which logits), embeds
 the tokens and runs its layers; each rank passes the hidden state (B, T, n_embd) f32 to the next; the last applies
 the norm and head and sends the logits back to rank 0. Only hidden states and logits cross: n_embd values a token.
 
@@ -16,7 +16,9 @@ waits for input (a chat), so the others' wait for the next step never runs into 
 
 from __future__ import annotations
 
+import atexit
 import os
+import re
 import threading
 import time
 from dataclasses import dataclass
@@ -102,6 +104,7 @@ def join(n_layers: int, layer_split: str | None, facts: dict, device: str = "cpu
         steps = dist.new_group(backend=backend, timeout=timedelta(seconds=STEP_TIMEOUT_S))
     except (RuntimeError, ValueError) as e:
         raise KvcliError(f"pipeline: cannot join the torchrun job: {_first_line(e)}") from None
+    atexit.register(_leave)  # on any way out: an initialized group left at exit aborts the process (gloo's threads)
     rank, world = dist.get_rank(), dist.get_world_size()
     if device == "cuda":
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -133,8 +136,18 @@ def start(path, layer_split: str | None, spec, ctx_size: int, dtype: str, weight
     return (stage, pipe), say
 
 
+def _leave() -> None:
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def _first_line(e: BaseException) -> str:
-    return (str(e).strip().splitlines() or [type(e).__name__])[0][:200]
+    """The reason in an error of torch.distributed, without gloo's source location and advice."""
+    line = (str(e).strip().splitlines() or [type(e).__name__])[0]
+    line = re.sub(r"^\[[^\]]*\]\s*", "", line).split(". This is typically")[0]
+    return line[:160]
 
 
 class Pipe:
@@ -167,10 +180,16 @@ class Pipe:
             raise KvcliError(f"pipeline: rank {self.stage.rank} lost rank {peer} ({what}): {_first_line(e)}") from None
 
     def _header(self, values: list[int] | None = None) -> list[int]:
+        """Rank 0: send `values` to every other rank, one at a time (a failure then names the rank); the others:
+        receive it."""
         import torch.distributed as dist
 
         h = torch.tensor(values or [0] * HEADER, dtype=torch.int64)
-        self._call("waiting for the next step", 0, dist.broadcast, h, 0, self.group)
+        if self.stage.first:
+            for r in range(1, self.stage.world):
+                self._call("sending a step", r, dist.send, h, r, self.group)
+        else:
+            self._call("waiting for the next step", 0, dist.recv, h, 0, self.group)
         return h.tolist()
 
     def _send(self, t: torch.Tensor, to: int) -> None:
