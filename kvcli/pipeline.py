@@ -252,10 +252,14 @@ class Pipe:
                 self._send(h, s.rank + 1)
 
     def stop(self) -> None:
-        """Rank 0: end every later stage's `serve` (a new model may follow through `ready`)."""
+        """Rank 0: end every later stage's `serve` (a new model may follow through `ready`); where a rank is gone
+        already, nothing more to say (the error that found it is the one reported)."""
         if self.stage.first and self.stage.world > 1 and not self.stopped.is_set():
             with self.lock:
-                self._header([STOP, 0, 0, 0, 0, 0])
+                try:
+                    self._header([STOP, 0, 0, 0, 0, 0])
+                except KvcliError:
+                    pass
 
     def close(self) -> None:
         """Leave the job (every rank, last)."""

@@ -167,3 +167,17 @@ def test_pipeline_flags_are_checked(model4):
     for bad in ("10,10", "a,b", "24", "0,24"):
         with pytest.raises(KvcliError, match="--layer-split"):
             split(24, 2, bad)
+
+
+def test_perplexity_over_stages_equals_one_process(model4, tmp_path):
+    text = tmp_path / "t.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 60)
+    argv = ["-m", "kvcli.cli", "perplexity", "-m", str(model4), "-f", str(text), "-c", 128, "--chunks", 3, "-t", 1,
+            "-ctk", "tq3", "-ctv", "tq3"]
+    argv = list(map(str, argv))
+    alone = subprocess.run([sys.executable, *argv], capture_output=True, text=True, timeout=300)
+    assert alone.returncode == 0, alone.stderr[-2000:]
+    final = [ln for ln in alone.stdout.splitlines() if ln.startswith("Final estimate")]
+    results = _finish(_ranks([argv + ["--pipeline", "--layer-split", "3,1"]] * 2))
+    assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
+    assert final and [ln for ln in results[0][1].splitlines() if ln.startswith("Final estimate")] == final

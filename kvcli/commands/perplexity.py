@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
 import sys
@@ -11,7 +12,7 @@ from typing import Optional
 
 import typer
 
-from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, WeightsOpt, ModelOpt, ThreadsOpt,
+from kvcli.commands.common import (CacheModeOpt, CthOpt, LayerSplitOpt, PipelineOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, WeightsOpt, ModelOpt, ThreadsOpt,
                                    KeyBiasOpt, WindowOpt, cache_spec,
                                    ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, parse_weights, read_prompt, resolve_model,
                                    user_errors)
@@ -81,6 +82,8 @@ def perplexity_command(
                               "'hidden:all'; @N after an entry sets its --cache-window (q4_hadamard@16)."),
     json_file: Optional[Path] = typer.Option(None, "--json", help="Also write the results (sweep rows) as JSON."),
     plot: Optional[Path] = typer.Option(None, "--plot", help="With --sweep: draw mean KLD against cache MiB at 32k tokens (PNG)."),
+    pipeline: bool = PipelineOpt,
+    layer_split: Optional[str] = LayerSplitOpt,
 ):
     """Perplexity of a text with llama-perplexity's method; KL divergence against a base; cache sweep."""
     with user_errors():
@@ -110,6 +113,7 @@ def perplexity_command(
 
         from kvcli.gguf_file import open_gguf
         from kvcli.llama import Llama
+        from kvcli.pipeline import start as start_pipeline
         from kvcli.tokenizer import Tokenizer
 
         g = open_gguf(path)
@@ -128,10 +132,22 @@ def perplexity_command(
         # sequences batched per forward give each the same bits as one at a time; -ub bounds the logits held, and a
         # forward's tokens as llama.cpp's physical batch does (2048 rows of a 152k vocabulary: 1.2 GB of logits)
         n_seq = balanced_n_seq(min(batch_size, ubatch_size), ctx_size, n_chunk)
+        if layer_split is not None and not pipeline:
+            raise KvcliError("--layer-split goes with --pipeline")
+        if pipeline and specs:
+            raise KvcliError("--sweep builds a cache per type in one process; it does not run over --pipeline stages")
+        stages, say = (start_pipeline(path, layer_split, base_spec, ctx_size, dtype, weights, "cpu") if pipeline
+                       else (None, log))
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
-                    batch_size=min(batch_size, ubatch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=log,
+                    batch_size=min(batch_size, ubatch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=say,
                     cache_mode=base_spec.mode, cache_type_h=base_spec.type_h, weights=weights,
-                    cache_window=base_spec.window, cache_key_bias=base_spec.key_bias)
+                    cache_window=base_spec.window, cache_key_bias=base_spec.key_bias, pipeline=stages)
+        if stages is not None:
+            if not stages[0].first:  # a later stage: its layers for rank 0's forwards, then exit 0
+                llm.pipe.serve()
+                llm.pipe.close()
+                raise typer.Exit(0)
+            atexit.register(llm.pipe.stop)  # rank 0, however it ends: the others' loops end with it
         return_freed_memory()
         base_spec = llm.cache_spec  # auto resolved to kv or hidden
         if ctx_size > llm.config.context_length:
