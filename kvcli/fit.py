@@ -3,6 +3,8 @@ context each one reaches in a memory budget (the same arithmetic as the run-time
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import json
 import math
 from pathlib import Path
@@ -112,6 +114,30 @@ def fit_table(config, weight_bytes: int, mem: int, ctx_wanted: int, sweep: dict[
         rows.append(_row(config, mix[0], room, mix[1], f"per-layer mix (KLD estimated: {mix[1]:.6f})"))
     reach = [r for r in rows if r["max_ctx"] >= ctx_wanted]
     return rows, (min(reach, key=_rank) if reach else None)
+
+
+def stages_table(gguf_model, dtype: str, weights: str, device: str, mem: int, ctx_wanted: int,
+                 sweep: dict[CacheSpec, float | None], window: int | None, stages: int,
+                 layer_split: str | None) -> tuple[list[dict], dict | None, list[tuple]]:
+    """fit_table for a model over `stages` pipeline ranks (kvcli/pipeline.py), `mem` each: a choice reaches the
+    context its tightest rank reaches, and costs per token what its largest rank's share does. Also (stage,
+    weight bytes) per rank."""
+    from kvcli.pipeline import Stage, split
+    from kvcli.shapes import resident_weight_bytes
+
+    c, tied = gguf_model.config, "output.weight" not in gguf_model.tensors
+    held = resident_weight_bytes(c, dtype, not tied, weights, _tensor_types(gguf_model), device)
+    ranks, per_rank = [], []
+    for r, layers in enumerate(split(c.n_layers, stages, layer_split)):
+        stage = Stage(r, stages, layers)
+        wb = sum(n for name, n in held.items() if stage.wants(name, tied))
+        ranks.append((stage, wb))
+        rows, _ = fit_table(replace(c, n_layers=len(layers)), wb, mem, ctx_wanted, sweep, window)
+        per_rank.append(rows[: len(choices(window))])  # the per-layer mix is of the whole model's layers
+    rows = [dict(row, max_ctx=min(r[i]["max_ctx"] for r in per_rank),
+                 bytes_per_token=max(r[i]["bytes_per_token"] for r in per_rank)) for i, row in enumerate(per_rank[0])]
+    reach = [r for r in rows if r["max_ctx"] >= ctx_wanted]
+    return rows, (min(reach, key=_rank) if reach else None), ranks
 
 
 def _row(config, ch: CacheSpec, room: int, kld: float | None, label: str) -> dict:

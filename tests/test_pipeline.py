@@ -181,3 +181,20 @@ def test_perplexity_over_stages_equals_one_process(model4, tmp_path):
     results = _finish(_ranks([argv + ["--pipeline", "--layer-split", "3,1"]] * 2))
     assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
     assert final and [ln for ln in results[0][1].splitlines() if ln.startswith("Final estimate")] == final
+
+
+def test_fit_plans_each_rank(model4):
+    from typer.testing import CliRunner
+
+    from kvcli.cli import app
+    from kvcli.fit import stages_table, weight_bytes
+    from kvcli.gguf_file import open_gguf
+
+    g = open_gguf(model4)
+    one = weight_bytes(g, "f16")
+    rows, best, ranks = stages_table(g, "f16", "native", "cpu", 300 << 20, 256, {}, None, 2, "3,1")
+    assert [list(s.layers) for s, _ in ranks] == [[0, 1, 2], [3]]
+    assert ranks[0][1] + ranks[1][1] == one  # untied: the embedding on the first, the head on the last, once each
+    r = CliRunner().invoke(app, ["fit", "-m", str(model4), "--mem", "300MiB", "--stages", "2", "--layer-split", "3,1"])
+    assert r.exit_code == 0, r.output
+    assert "rank 0 of 2: layers 0-2, embedding: weights" in r.output and "--pipeline --layer-split 3,1" in r.output
