@@ -1,5 +1,7 @@
 """Shared CLI test helpers: run `kvcli run` in-process and check a clean one-line error."""
 
+import signal
+
 from typer.testing import CliRunner
 
 from kvcli.cli import app
@@ -21,3 +23,9 @@ def assert_clean_error(result, *words, code=1):
     assert len(errors) == 1 and result.stderr.rstrip().endswith(errors[0]), result.stderr
     for w in words:
         assert w in errors[0], errors[0]
+
+
+def default_sigint() -> None:
+    """A child's SIGINT as a terminal's (preexec_fn): a test run started in the background (`pytest &`) hands its
+    children SIGINT ignored, and Python then never raises KeyboardInterrupt, so a Ctrl-C test would see nothing."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)

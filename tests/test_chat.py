@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from cli_checks import assert_clean_error, run
+from cli_checks import assert_clean_error, default_sigint, run
 
 pexpect = pytest.importorskip("pexpect")
 
@@ -23,6 +23,7 @@ def _spawn(default_model, *args):
     kvcli = shutil.which("kvcli", path=str(Path(sys.executable).parent)) or "kvcli"
     env = dict(os.environ, KVCLI_MODELS=str(default_model.parent), COLUMNS="200")
     child = pexpect.spawn(kvcli, ["run", "--temp", "0", *map(str, args)], env=env, encoding="utf-8", timeout=120,
+                          preexec_fn=default_sigint,
                           dimensions=(50, 200))
     child.expect_exact("chat mode")
     child.expect_exact(PROMPT)

@@ -29,7 +29,7 @@ from hypothesis import strategies as st
 from kvcli.cli import app
 from kvcli.errors import KvcliError
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
-from cli_checks import assert_clean_error, run, runner
+from cli_checks import assert_clean_error, default_sigint, run, runner
 from tiny import make_hf_model, write_gguf
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -430,7 +430,8 @@ def test_chat_with_empty_input_and_empty_line(quant):
 
 def _kvcli(*args, **kw) -> subprocess.Popen:
     env = {**os.environ, "PYTHONUNBUFFERED": "0"}
-    return subprocess.Popen([sys.executable, "-m", "kvcli.cli", *map(str, args)], cwd=ROOT, env=env, **kw)
+    return subprocess.Popen([sys.executable, "-m", "kvcli.cli", *map(str, args)], cwd=ROOT, env=env,
+                            preexec_fn=default_sigint, **kw)
 
 
 def _read_some(stream, n: int, timeout: float) -> bytes:

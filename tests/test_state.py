@@ -41,7 +41,8 @@ def model64(tmp_path_factory) -> Path:
 
 
 def _llm(path, **kw) -> Llama:
-    return Llama(path, ctx_size=256, batch_size=64, dtype="f32", **kw)
+    """One thread: the same bits in every process (another thread count sums the products in another order)."""
+    return Llama(path, ctx_size=256, batch_size=64, dtype="f32", threads=1, **kw)
 
 
 def _ids(n: int, seed: int) -> list[int]:
