@@ -86,29 +86,34 @@ def test_restore_continues_as_if_never_stopped(model64, tmp_path, case):
 FRESH = """
 import sys, torch
 sys.path.insert(0, {tests!r})
-from test_state import CASES, _go_on, _llm
-refs = torch.load({refs!r})
-for case, kw in CASES.items():
-    b = _llm({model!r}, **kw)
-    b.load_state({folder!r} + "/" + str(list(CASES).index(case)))
-    print(case, "equal" if all(torch.equal(g, r) for g, r in zip(_go_on(b), refs[case])) else "DIFFERENT", flush=True)
+from test_state import CASES, _fill, _go_on, _llm
+folder = {folder!r}
+if sys.argv[1] == "save":  # run to N tokens, save, and go on: what never stopping gives
+    refs = {{}}
+    for i, (case, kw) in enumerate(CASES.items()):
+        a = _llm({model!r}, **kw)
+        _fill(a)
+        a.save_state(folder + "/" + str(i))
+        refs[case] = _go_on(a)
+    torch.save(refs, folder + "/refs.pt")
+else:  # restore each file and go on the same way
+    refs = torch.load(folder + "/refs.pt")
+    for i, (case, kw) in enumerate(CASES.items()):
+        b = _llm({model!r}, **kw)
+        b.load_state(folder + "/" + str(i))
+        same = all(torch.equal(g, r) for g, r in zip(_go_on(b), refs[case]))
+        print(case, "equal" if same else "DIFFERENT", flush=True)
 """
 
 
 def test_restore_in_a_fresh_process(model64, tmp_path):
-    refs = {}
-    for i, (case, kw) in enumerate(CASES.items()):
-        a = _llm(model64, **kw)
-        _fill(a)
-        a.save_state(tmp_path / str(i))
-        refs[case] = _go_on(a)
-    torch.save(refs, tmp_path / "refs.pt")
-    code = FRESH.format(tests=str(Path(__file__).parent), refs=str(tmp_path / "refs.pt"), model=str(model64),
-                        folder=str(tmp_path))
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    lines = out.stdout.splitlines()
-    assert lines == [f"{case} equal" for case in CASES], out.stdout
+    """Saved in one process, restored in another: both fresh, so that what the suite did before in this one (a
+    kernel path a test forced) cannot make the two differ."""
+    code = FRESH.format(tests=str(Path(__file__).parent), model=str(model64), folder=str(tmp_path))
+    for mode in ("save", "restore"):
+        out = subprocess.run([sys.executable, "-c", code, mode], capture_output=True, text=True, timeout=600)
+        assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.splitlines() == [f"{case} equal" for case in CASES], out.stdout
 
 
 @pytest.fixture(scope="module")
