@@ -116,11 +116,11 @@ class Store:
         positions per step along it); the others are whole per sequence (kvcli/cache/state.py saves both)."""
         return {"data": (2, 1)}  # (L, B, Hkv, n_ctx, ...)
 
-    def row_state(self, row: int) -> torch.Tensor | None:
-        """What this store knows of sequence row outside `batched`'s tensors, as a small uint8 tensor, or None."""
-        return None
+    def row_state(self, row: int) -> torch.Tensor:
+        """What this store knows of sequence row outside `batched`'s tensors, as a small uint8 tensor (empty: none)."""
+        return torch.zeros(0, dtype=torch.uint8)
 
-    def restored(self, row: int, state: torch.Tensor | None) -> None:
+    def restored(self, row: int, state: torch.Tensor) -> None:
         """Sequence row's bytes were just written back (kvcli/cache/state.py), with its row_state: set what lives
         outside the tensors, and forget what was made from the old bytes."""
 

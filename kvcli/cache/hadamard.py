@@ -135,7 +135,7 @@ class RotatedStore(Store):
         """Whether each layer's offset is set for sequence row: (L,) uint8."""
         return torch.tensor([flags[self.row0 + row] for flags in self.offset_set], dtype=torch.uint8)
 
-    def restored(self, row: int, state: torch.Tensor | None) -> None:
+    def restored(self, row: int, state: torch.Tensor) -> None:
         for flags, was_set in zip(self.offset_set, state.tolist()):
             flags[self.row0 + row] = bool(was_set)
 

@@ -63,11 +63,7 @@ def _store_parts(prefix: str, store: Store, row: int, n: int) -> list[Part]:
             axis, step = axes[name]
             t = t.narrow(axis, 0, -(-n // step))
         parts.append(_view(f"{prefix}.{name}", t))
-    state = store.row_state(row)
-    if state is not None:
-        parts.append(Part(f"{prefix}.row_state", state, lambda t: store.restored(row, t)))
-    else:
-        parts.append(Part(f"{prefix}.row_state", torch.zeros(0, dtype=torch.uint8), lambda t: store.restored(row, None)))
+    parts.append(Part(f"{prefix}.row_state", store.row_state(row), lambda t: store.restored(row, t)))
     return parts
 
 

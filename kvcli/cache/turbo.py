@@ -198,7 +198,7 @@ class TurboStore(RotatedStore):
         """Keys' codes by tiles of `tile` positions, values' by groups of GROUP, the scales by position."""
         return {"data": (2, self.tile) if self.keys else (3, GROUP), "scale": (3, 1)}
 
-    def restored(self, row: int, state: torch.Tensor | None) -> None:
+    def restored(self, row: int, state: torch.Tensor) -> None:
         super().restored(row, state)
         for layer in range(self.n_layers):
             self._prepared[layer] += 1  # the pair offsets made from the old offsets are stale
