@@ -36,3 +36,18 @@ def test_a_busy_core_is_left_out():
     finally:
         spin.kill()
         spin.wait()
+
+
+def test_one_thread_runs_numbas_regions_in_one_thread():
+    """-t 1: a kernel's prange region (the embedding's rows, a load's retiling) runs in one thread, not numba's default
+    of every core: a region's second thread on a core another program keeps busy stalled each decode token by ms."""
+    pytest.importorskip("numba")
+    code = ("import numpy as np, torch, numba\n"
+            "from kvcli.kernels.cpu import ggml_rows, compile\n"
+            "torch.set_num_threads(1)\n"
+            "raw = np.zeros((2, 18), np.uint8); raw.setflags(write=False)\n"
+            "ggml_rows.dequantize_ids('Q4_0', raw, np.array([1], np.int64), np.empty((1, 32), np.float32))\n"
+            "print(numba.get_num_threads() if compile.THREADED else 1)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split()[-1] == "1"

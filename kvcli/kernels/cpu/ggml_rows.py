@@ -290,10 +290,13 @@ def _threads() -> int:
     import torch
 
     threads = torch.get_num_threads()
-    if threads > 1 and THREADED and getattr(_state, "threads", 0) != threads:  # numba's count is per thread
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-        _state.threads = threads
-    return threads if THREADED else 1
+    if not THREADED:
+        return 1
+    count = min(threads, numba.config.NUMBA_NUM_THREADS)  # numba's count is per calling thread, its default every core:
+    if getattr(_state, "threads", 0) != count:  # at -t 1 too, or a prange region waits on a thread of a busy core
+        numba.set_num_threads(count)
+        _state.threads = count
+    return threads
 
 
 def matmul(ggml_type: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
