@@ -27,6 +27,7 @@ from kvcli.sampler import Sampler
 from kvcli.timings import Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
 from kvcli.weights import WEIGHTS, load, tensor_form
+from kvcli.rope import rope_
 from kvcli.weights import warm_up as weights_warm_up
 from kvcli.weights import rms_norm
 from kvcli.memory import check_fits, return_freed_memory
@@ -191,6 +192,8 @@ class Llama:
             weights_warm_up(self.model, rows=1)  # so do decode's product kernel and the norm's pass
             if self.model.output_norm is not None:
                 rms_norm(torch.zeros(1, c.n_embd), self.model.output_norm, c.rms_eps)
+            for x in (torch.zeros(1, 1, 1, c.head_dim), torch.zeros(1, 2, 2, c.head_dim)[:, :, :1]):  # RoPE's pass,
+                rope_(x, self.model.rot[: x.shape[1]], c.rope_neox)  # for decode's row and a batch's strided view
         if torch.get_num_threads() != threads:  # numba's OpenMP pool, started by the kernels' load, set the OpenMP
             torch.set_num_threads(threads)  # runtime torch shares to its own count: -t 1 ran on two cores
         # what a forward runs: the model, or on a pipeline's first rank every stage through the pipe

@@ -6,9 +6,12 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import torch
 
+from kvcli import kernel_table as table
 from kvcli.config import ModelConfig
+from kvcli.kernel_table import ROPE, Entry
 
 
 def yarn_theta(c: ModelConfig, theta: torch.Tensor) -> torch.Tensor:
@@ -48,8 +51,17 @@ def rope_(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> None:
 
     Which dims rotate together is the one layout choice: GGUF llama files pair (2i, 2i+1) (llama.cpp's
     converter permutes Q/K rows to Meta's layout); qwen2/qwen3 files keep Hugging Face's rows and pair
-    (i, i + D/2) (rotate_half; llama.cpp's NEOX mode). Decode's few ops per layer: one complex multiply
-    (adjacent) or four real ones (neox) into the fused q/k/v product."""
+    (i, i + D/2) (rotate_half; llama.cpp's NEOX mode). Through the ROPE entry chosen once per device and dtype
+    (on the CPU for f32: kvcli/kernels/cpu/rope.py, one compiled pass, the reference's bits)."""
+    key = (x.device.type, x.dtype)
+    run = _ROPES.get(key)
+    if run is None:
+        run = _ROPES[key] = table.choose(ROPE, key[0], str(x.dtype).removeprefix("torch.")).run
+    run(x, rot, neox)
+
+
+def _rope_reference(x: torch.Tensor, rot: torch.Tensor, neox: bool) -> None:
+    """ROPE's reference (torch ops): one complex multiply (adjacent) or four real ones (neox) into x."""
     if not neox:
         xc = torch.view_as_complex(x.unflatten(-1, (-1, 2)))  # (B, T, H, D/2)
         xc.mul_(rot.unsqueeze(-2))  # (..., T, 1, D/2): one rotation for every head
@@ -59,6 +71,29 @@ def rope_(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> None:
     x1_sin = x1 * sin
     x1.mul_(cos).addcmul_(x2, sin, value=-1)  # x1 cos - x2 sin
     x2.mul_(cos).add_(x1_sin)  # x2 cos + x1 sin
+
+
+def _rope_numba(x: torch.Tensor, rot: torch.Tensor, neox: bool) -> None:
+    r = rot.numpy()
+    r = r[None] if r.ndim == 2 else r  # (1 or B, T, D/2)
+    if (x.dim() != 4 or r.ndim != 3 or r.dtype != np.complex64 or r.shape[0] not in (1, x.shape[0])
+            or r.shape[1] != x.shape[1] or 2 * r.shape[2] != x.shape[3]):  # a broadcast the kernel does not make
+        return _rope_reference(x, rot, neox)
+    from kvcli.kernels.cpu import rope as kernel
+
+    kernel.rotate(x.numpy(), r, neox)
+
+
+def _numba_ready() -> bool:
+    from kvcli.kernels.cpu.compile import available
+
+    return available()
+
+
+_ROPES: dict = {}  # (device, dtype) -> the ROPE entry's run, chosen at the first call
+table.register(Entry(ROPE, "cpu", frozenset({"float32"}), "kvcli/kernels/cpu/rope.py (numba, one pass)", _rope_numba,
+                     ready=_numba_ready, why="one call where torch's takes four to six ops, its bits"))
+table.register(Entry(ROPE, "any", frozenset(), "kvcli/rope.py: torch ops", _rope_reference), reference=True)
 
 
 def apply_rope(x: torch.Tensor, rot: torch.Tensor, neox: bool = False) -> torch.Tensor:

@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from kvcli import kernel_table as table
 from kvcli.gguf_file import drop_view_pages
-from kvcli.kernel_table import AVX2, AVX512, BF16, NORM, PRODUCT, ROWS, Entry
+from kvcli.kernel_table import AVX2, AVX512, BF16, NORM, PRODUCT, ROPE, ROWS, Entry
 from kvcli.kernels.cpu.int4_tiles import GROUP, pack_pairs, tile_width, unpack_pairs
 
 # Rows up to which a FileBlocks product runs on the blocks (a slab of rows decoded for every row of x); a larger batch
@@ -1174,4 +1174,7 @@ def kernel_lines() -> list[str]:
             role(f"{kind} slabs", ROWS, device, kind)
     lines.append("dense product: F.linear on the plain tensor (no kernel)")
     role("rms_norm f32 (cpu)", NORM, "cpu", "float32")
+    import kvcli.rope  # noqa: F401  (registers RoPE's entries)
+
+    role("rope f32 (cpu)", ROPE, "cpu", "float32")
     return lines

@@ -15,6 +15,7 @@ import torch
 
 import kvcli.attention  # noqa: F401  (registers attention's entries)
 import kvcli.kernels.cpu.int4_tiles
+import kvcli.rope  # noqa: F401  (registers RoPE's entries)
 import kvcli.weights  # registers the weights' entries
 from kvcli import kernel_table as table
 from kvcli.attention import Attention, attend_reference
@@ -250,6 +251,23 @@ def test_norm_entries(entry, key):
         x, w = torch.randn(rows, 576, generator=g) * 3, torch.rand(576, generator=g) + 0.5
         ref = torch.nn.functional.rms_norm(x.double(), (576,), w.double(), 1e-5)
         torch.testing.assert_close(entry.run(x, w, 1e-5).double(), ref, rtol=entry.tol, atol=entry.tol)
+
+
+@pytest.mark.parametrize("entry, key", _cases(table.ROPE, lambda e: [(k,) for k in sorted(e.keys)]))
+def test_rope_entries(entry, key):
+    """Bitwise the reference's rotation: both pair layouts, decode's row, a prompt's strided view of q and k, rows of
+    their own positions (the server's step) and one table shared by the rows."""
+    _runnable(entry)
+    g = torch.Generator().manual_seed(6)
+    for neox in (False, True):
+        for B, T, H, shared in ((1, 1, 16, True), (2, 7, 3, True), (3, 1, 4, False), (2, 5, 2, False)):
+            base = torch.randn(B, T, H + 2, D, generator=g) * 10  # x: the first H heads, a view as the model's qk
+            rot = torch.polar(torch.ones((T, D // 2) if shared else (B, T, D // 2)),
+                              torch.rand((T, D // 2) if shared else (B, T, D // 2), generator=g) * 7)
+            got, want = base.clone(), base.clone()
+            entry.run(got[:, :, :H], rot, neox)
+            table.reference(table.ROPE).run(want[:, :, :H], rot, neox)
+            assert torch.equal(got, want), (entry.name, neox, B, T, H, shared)
 
 
 def test_every_role_has_a_reference_and_every_entry_a_name():

@@ -68,32 +68,47 @@ def _span(kind, raw, xi, xs, xsum, y, lo, hi):
         g0 += min(g, 4)
 
 
+@jit
+def quantized(x):
+    """x (M, K) f32 -> quantize_x's (xi, xs, xsum), made inside the compiled call (no buffers from Python)."""
+    M, K = x.shape
+    xi, xs, xsum = np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
+    quantize_x(x, xi, xs, xsum)
+    return xi, xs, xsum
+
+
+@jit
+def _one(kind, raw, x, y):
+    """y = x W.T in the calling thread: x quantized, then _span over every row of W, in one call from Python."""
+    xi, xs, xsum = quantized(x)
+    _span(kind, raw, xi, xs, xsum, y, 0, raw.shape[0])
+
+
 @jit_threaded
-def _threaded(kind, raw, xi, xs, xsum, y, threads):
-    """_span over `threads` runs of W's rows at once (each output made by one thread as _span makes it)."""
+def _threaded(kind, raw, x, y, threads):
+    """_one with W's rows in `threads` runs at once (each output made by one thread as _span makes it)."""
+    xi, xs, xsum = quantized(x)
     N = raw.shape[0]
     for t in numba.prange(threads):
         _span(kind, raw, xi, xs, xsum, y, N * t // threads, N * (t + 1) // threads)
 
 
-def run(span, threaded, kind: int, w: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
-    """x (M, K) f32 contiguous quantized (quantize_x), then y (M, n) f32 made by span(kind, w, xi, xs, xsum, y, lo,
-    hi) over w's first axis, or by threaded(..., threads) at -t N > 1 (ggml_dot's and ggml_tiles' products)."""
-    M, K = x.shape
-    xi, xs, xsum = np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
-    quantize_x(x, xi, xs, xsum)
-    y = np.empty((M, n), np.float32)
+def run(one, threaded, kind: int, w: np.ndarray, x: np.ndarray, n: int) -> np.ndarray:
+    """y (M, n) f32 = x W.T: x (M, K) f32 contiguous quantized (quantize_x) and multiplied by one(kind, w, x, y) over
+    w's first axis, or by threaded(..., threads) at -t N > 1 (ggml_dot's and ggml_tiles' products): one compiled call
+    a product (decode runs ~120 of them a token, and each call from Python costs more than a small product's work)."""
+    y = np.empty((x.shape[0], n), np.float32)
     threads = _threads()
     if threads > 1 and THREADED:
-        threaded(kind, w, xi, xs, xsum, y, threads)
+        threaded(kind, w, x, y, threads)
     else:
-        span(kind, w, xi, xs, xsum, y, 0, w.shape[0])
+        one(kind, w, x, y)
     return y
 
 
 def matmul(ggml_type: str, raw: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x (M, K) f32 contiguous -> x W.T (M, N) f32, W the (N, K) matrix whose blocks raw (N, row bytes) holds."""
-    return run(_span, _threaded, DOT_TYPES.index(ggml_type), raw, x, raw.shape[0])
+    return run(_one, _threaded, DOT_TYPES.index(ggml_type), raw, x, raw.shape[0])
 
 
 def warm_up() -> None:

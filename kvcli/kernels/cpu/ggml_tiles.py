@@ -121,8 +121,16 @@ def _span(kind, tiles, xi, xs, xsum, y, lo, hi):
         g0 += min(g, 4)
 
 
+@jit
+def _one(kind, tiles, x, y):
+    """y = x W.T in the calling thread, x quantized in the same call (ggml_dot.run)."""
+    xi, xs, xsum = ggml_dot.quantized(x)
+    _span(kind, tiles, xi, xs, xsum, y, 0, tiles.shape[0])
+
+
 @jit_threaded
-def _threaded(kind, tiles, xi, xs, xsum, y, threads):
+def _threaded(kind, tiles, x, y, threads):
+    xi, xs, xsum = ggml_dot.quantized(x)
     T = tiles.shape[0]
     for t in numba.prange(threads):
         _span(kind, tiles, xi, xs, xsum, y, T * t // threads, T * (t + 1) // threads)
@@ -130,7 +138,7 @@ def _threaded(kind, tiles, xi, xs, xsum, y, threads):
 
 def matmul(ggml_type: str, tiles: np.ndarray, x: np.ndarray) -> np.ndarray:
     """x (M, K) f32 contiguous -> x W.T (M, N) f32, W's blocks as retile lays them in tiles (N / 8, ...)."""
-    return ggml_dot.run(_span, _threaded, TILE_TYPES.index(ggml_type), tiles, x, tiles.shape[0] * TILE_ROWS)
+    return ggml_dot.run(_one, _threaded, TILE_TYPES.index(ggml_type), tiles, x, tiles.shape[0] * TILE_ROWS)
 
 
 def warm_up() -> None:

@@ -103,6 +103,17 @@ if numba is not None:
         return types.int16(types.uint16), codegen
 
     @intrinsic
+    def fma_f32(typingctx, a, b, c):
+        """a b + c rounded once (LLVM's fma): what torch's addcmul computes, for a kernel that must give its bits."""
+
+        def codegen(context, builder, signature, args):
+            f32 = ir.FloatType()
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(f32, [f32] * 3), "llvm.fma.f32")
+            return builder.call(fma, list(args))
+
+        return types.float32(types.float32, types.float32, types.float32), codegen
+
+    @intrinsic
     def _exp_f32(typingctx, x):
         def codegen(context, builder, signature, args):
             f32, i32 = ir.FloatType(), ir.IntType(32)
