@@ -411,6 +411,26 @@ table.register(Entry(QUANTIZE, "any", frozenset(), "the store's quantize_referen
                      lambda store, y: store.quantize_reference(y)), reference=True)
 
 
+def decode_layer_arrays(cache):
+    """Where a compiled decode layer (kvcli/decode_layer.py) may write and read this cache, a function layer -> (K's
+    data, V's data) numpy views (1, Hkv, n_ctx, D) of that layer; else None. It does where one sequence's decode token
+    is a dense store's compiled write (put_dense) and this table's CPU kernel over dense K and V (attention.py's): one
+    sequence, no window, keys as they come, -fa on, one dense type for K and V."""
+    k, v = getattr(cache, "k", None), getattr(cache, "v", None)
+    if (k is None or type(k) is not type(v) or getattr(cache, "window", 1) or cache.key_bias is not None
+            or cache.base is not None or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"
+            or k.writer is not _cpu_dense_write):
+        return None
+    lk, lv = k.kernel_layout(), v.kernel_layout()
+    if lk is None or lk.kind not in DENSE_KINDS or lv.kind != lk.kind:
+        return None
+    entry = table.choose(ATTEND, "cpu", (lk.kind, lv.kind), decode=True, per_row=False, head_dim=k.head_dim, k=lk,
+                         v=lv, key_bias=False)
+    if getattr(entry.run, "module", None) != "attention":
+        return None
+    return lambda layer: (k.operands(layer).arrays[0], v.operands(layer).arrays[0])
+
+
 # WRITE: run(layout, arrays, values, rows, pos): vector m of values[i] into arrays[i] at sequence rows[m], position
 # pos[m] of a layer (a dense type: its data, or a K and V pair of one type in one call)
 def _cpu_dense_write(layout, arrays, values, rows, pos):

@@ -13,9 +13,10 @@ A role is one job with one signature for all its entries:
   PRODUCT   the weight product: run(form, x (..., K) f32) -> (..., N) f32, x @ W.T for a resident form;
   ROWS      dequantize rows: run(form, start, stop, dtype) -> W.T's slab (K, stop - start) of that dtype;
   NORM      RMSNorm: run(x, weight, eps) -> x / sqrt(mean(x^2) + eps) * weight;
-  ROPE      RoPE in place: run(x (B, T, H, D), rot (T or B, T, D/2) complex, neox) -> None (kvcli/rope.py).
+  ROPE      RoPE in place: run(x (B, T, H, D), rot (T or B, T, D/2) complex, neox) -> None (kvcli/rope.py);
+  SWIGLU    run(gu (..., 2F)) -> silu(gate) * up (..., F) (kvcli/swiglu.py).
 The key of ATTEND is the pair of K and V layout kinds (kvcli.kernels.layout.Kind), of HIDDEN the x store's
-kind, of QUANTIZE and WRITE a store's kind, of PRODUCT, ROWS a weight form's `kind`, of NORM and ROPE the dtype's name. The
+kind, of QUANTIZE and WRITE a store's kind, of PRODUCT, ROWS a weight form's `kind`, of NORM, ROPE and SWIGLU the dtype's name. The
 modules that own each role's glue (kvcli/attention.py, kvcli/weights.py) register their entries here and are
 the only ones that ask; the leaves they call live in kvcli/kernels/cpu/ and kvcli/kernels/gpu/.
 
@@ -35,8 +36,8 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 ATTEND, HIDDEN, QUANTIZE, WRITE = "attend", "hidden", "quantize", "write"
-PRODUCT, ROWS, NORM, ROPE = "product", "rows", "norm", "rope"
-ROLES = (ATTEND, HIDDEN, QUANTIZE, WRITE, PRODUCT, ROWS, NORM, ROPE)
+PRODUCT, ROWS, NORM, ROPE, SWIGLU = "product", "rows", "norm", "rope", "swiglu"
+ROLES = (ATTEND, HIDDEN, QUANTIZE, WRITE, PRODUCT, ROWS, NORM, ROPE, SWIGLU)
 
 # Instruction-set levels, lowest first. PORTABLE: any CPU numba and torch run on (generic LLVM vectors);
 # X86: SSSE3's byte shuffle (every x86-64 CPU with AVX has it); AVX2; AVX512: AVX-512 with VNNI and VBMI

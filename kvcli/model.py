@@ -11,13 +11,17 @@ qwen3 RMS-normalises each Q and K head (attn_{q,k}_norm) before RoPE; both rotat
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kvcli import decode_layer
 from kvcli.cache.base import Cache
 from kvcli.config import ModelConfig
 from kvcli.rope import rope_, rope_table
+from kvcli.swiglu import swiglu
 from kvcli.weights import Dense, cat, rms_norm
 
 
@@ -50,13 +54,24 @@ class Block(nn.Module):
         qk_norm = torch.cat([w.pop(p + "attn_q_norm.weight").float().expand(c.n_heads, -1),
                              w.pop(p + "attn_k_norm.weight").float().expand(c.n_kv_heads, -1)]) if c.qk_norm else None
         self.register_buffer("qk_norm", qk_norm, persistent=False)
+        self._plan, self._plan_for = None, None  # decode_plan's, and a weak reference to the cache it is for
 
     def forms(self) -> dict:
         return {"wqkv": self.wqkv, "wo": self.wo, "w_gate_up": self.w_gate_up, "w_down": self.w_down}
 
+    def decode_plan(self, cache: Cache):
+        """This block's compiled decode layer over `cache` (kvcli/decode_layer.py) or None, made once per cache."""
+        if self._plan_for is None or self._plan_for() is not cache:
+            self._plan, self._plan_for = decode_layer.plan(self, cache), weakref.ref(cache)
+        return self._plan
+
     def forward(self, h: torch.Tensor, cache: Cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
+        if B == 1 and T == 1 and type(pos) is int and pos < getattr(cache, "n_ctx", 0):  # one sequence's token
+            run = self.decode_plan(cache)
+            if run is not None:
+                return run(h, pos, rot)
         x = rms_norm(h, self.attn_norm, c.rms_eps)
         qkv = self.wqkv.matmul(x)  # (B, T, (H + 2*Hkv) * D)
         if self.bqkv is not None:  # qwen2
@@ -70,8 +85,7 @@ class Block(nn.Module):
         o = cache.attention(self.layer, q, k, v, x, pos)  # (B, T, H * D) f32
         h = h + self.wo.matmul(o)
         x = rms_norm(h, self.ffn_norm, c.rms_eps)
-        gate, up = self.w_gate_up.matmul(x).chunk(2, dim=-1)
-        return h + self.w_down.matmul(F.silu(gate) * up)
+        return h + self.w_down.matmul(swiglu(self.w_gate_up.matmul(x)))  # silu(gate) * up
 
 
 class Transformer(nn.Module):

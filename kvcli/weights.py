@@ -38,7 +38,7 @@ import torch.nn.functional as F
 
 from kvcli import kernel_table as table
 from kvcli.gguf_file import drop_view_pages
-from kvcli.kernel_table import AVX2, AVX512, BF16, NORM, PRODUCT, ROPE, ROWS, Entry
+from kvcli.kernel_table import AVX2, AVX512, BF16, NORM, PRODUCT, ROPE, ROWS, SWIGLU, Entry
 from kvcli.kernels.cpu.int4_tiles import GROUP, pack_pairs, tile_width, unpack_pairs
 
 # Rows up to which a FileBlocks product runs on the blocks (a slab of rows decoded for every row of x); a larger batch
@@ -1177,4 +1177,7 @@ def kernel_lines() -> list[str]:
     import kvcli.rope  # noqa: F401  (registers RoPE's entries)
 
     role("rope f32 (cpu)", ROPE, "cpu", "float32")
+    import kvcli.swiglu  # noqa: F401
+
+    role("swiglu f32 (cpu)", SWIGLU, "cpu", "float32")
     return lines

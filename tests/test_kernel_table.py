@@ -16,6 +16,7 @@ import torch
 import kvcli.attention  # noqa: F401  (registers attention's entries)
 import kvcli.kernels.cpu.int4_tiles
 import kvcli.rope  # noqa: F401  (registers RoPE's entries)
+import kvcli.swiglu  # noqa: F401  (registers SwiGLU's entries)
 import kvcli.weights  # registers the weights' entries
 from kvcli import kernel_table as table
 from kvcli.attention import Attention, attend_reference
@@ -268,6 +269,17 @@ def test_rope_entries(entry, key):
             entry.run(got[:, :, :H], rot, neox)
             table.reference(table.ROPE).run(want[:, :, :H], rot, neox)
             assert torch.equal(got, want), (entry.name, neox, B, T, H, shared)
+
+
+@pytest.mark.parametrize("entry, key", _cases(table.SWIGLU, lambda e: [(k,) for k in sorted(e.keys)]))
+def test_swiglu_entries(entry, key):
+    _runnable(entry)
+    g = torch.Generator().manual_seed(7)
+    for shape in ((1, 1, 2 * 1536), (3, 5, 2 * 64), (33, 2 * 4864)):
+        gu = torch.randn(shape, generator=g) * 6
+        gate, up = gu.double().chunk(2, dim=-1)
+        want = gate * torch.sigmoid(gate) * up
+        torch.testing.assert_close(entry.run(gu).double(), want, rtol=entry.tol, atol=entry.tol)
 
 
 def test_every_role_has_a_reference_and_every_entry_a_name():

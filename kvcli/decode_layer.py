@@ -1,0 +1,88 @@
+"""A block's decode token in one compiled call (kvcli/kernels/cpu/decode_layer.py) where every part of it would run a
+CPU kernel anyway: the op-by-op path's functions in its order, so its bits. Block.forward asks `plan` once per cache.
+
+It applies to one sequence's token (B = T = 1) with every matrix of the block in ggml_tiles' form (FileTiles, or a
+few stacked: Concat), the table's compiled norm, RoPE and SwiGLU chosen, no per-head norm (qwen3), and a cache whose
+decode is a dense store's compiled write and attention.py's kernel (kvcli/attention.py decode_layer_arrays). Anything
+else runs op by op.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import torch
+
+from kvcli import kernel_table as table
+from kvcli.kernel_table import NORM, PRODUCT, ROPE, SWIGLU
+
+
+def _compiled_parts() -> bool:
+    """The table's choices for norm, RoPE, SwiGLU and the tiles' product are the compiled functions the layer calls."""
+    from kvcli import rope, swiglu, weights
+
+    return (table.choose(NORM, "cpu", "float32").run is weights._norm_numba
+            and table.choose(ROPE, "cpu", "float32").run is rope._rope_numba
+            and table.choose(SWIGLU, "cpu", "float32").run is swiglu._swiglu_numba
+            and table.choose(PRODUCT, "cpu", "ggml_tiles").run is weights._file_tiles_dot)
+
+
+class DecodeLayer:
+    """One block's decode over one cache: its fixed operands gathered once; a call is one compiled call."""
+
+    def __init__(self, block, arrays):
+        from kvcli.kernels.cpu import attention as kernel
+        from kvcli.kernels.cpu.decode_layer import PARTS
+        from kvcli.kernels.cpu.vectors import TILE_TYPES
+
+        c = block.c
+        parts = [_parts(f) for f in (block.wqkv, block.wo, block.w_gate_up, block.w_down)]
+        kinds = np.array([[TILE_TYPES.index(f.type) for f in p] + [-1] * (PARTS - len(p)) for p in parts], np.int64)
+        tiles = [tuple(f.tiles for f in p) + (_NO_TILES,) * (PARTS - len(p)) for p in parts]
+        bias = block.bqkv.numpy() if block.bqkv is not None else np.zeros(0, np.float32)
+        G = c.n_heads // c.n_kv_heads
+        self.block, self.layer, self.arrays, self.neox = block, block.layer, arrays, c.rope_neox
+        self.weights = (block.attn_norm.numpy(), block.ffn_norm.numpy(), np.float32(c.rms_eps), kinds, tiles[0], bias,
+                        tiles[1], tiles[2], tiles[3])
+        self.heads = np.array([c.n_heads, c.n_kv_heads, c.head_dim], np.int64)
+        dense = kernel._NO_BLOCKS  # a dense store's layout arguments (unread)
+        self.reads = (*dense, *dense, *kernel._NO_WINDOW, np.zeros((1, c.n_kv_heads, G, 0), np.float32))
+        self.scale = np.float32(1 / math.sqrt(c.head_dim))
+
+    def __call__(self, h: torch.Tensor, pos: int, rot: torch.Tensor) -> torch.Tensor:
+        """h (1, 1, n_embd) f32 at position pos, rot (1, D/2) its rotation -> the block's output (1, 1, n_embd)."""
+        from kvcli.kernels.cpu import ggml_rows
+        from kvcli.kernels.cpu.compile import THREADED, numba
+        from kvcli.kernels.cpu.decode_layer import layer
+
+        threads = min(ggml_rows._threads(), numba.config.NUMBA_NUM_THREADS) if THREADED else 1
+        kdat, vdat = self.arrays(self.layer)
+        out = layer(h.view(1, -1).numpy(), *self.weights, rot.numpy()[None], self.neox, self.heads, kdat, vdat,
+                    *self.reads, pos, self.scale, threads)
+        return torch.from_numpy(out).view(1, 1, -1)
+
+
+_NO_TILES = np.zeros((0, 8), np.uint8)  # an unused part: no rows (read-only, as the forms' tiles are)
+_NO_TILES.setflags(write=False)
+
+
+def _parts(form) -> list:
+    """A matrix's tiled forms in the order they are stacked (one, or a Concat's), [] where it has another form."""
+    from kvcli.kernels.cpu.decode_layer import PARTS
+    from kvcli.weights import Concat, FileTiles
+
+    parts = form.parts if type(form) is Concat else [form]
+    return parts if len(parts) <= PARTS and all(type(p) is FileTiles for p in parts) else []
+
+
+def plan(block, cache) -> DecodeLayer | None:
+    """The compiled decode layer of `block` over `cache`, or None where its token runs op by op (module docstring)."""
+    from kvcli.attention import decode_layer_arrays
+
+    if block.qk_norm is not None or not all(_parts(f) for f in block.forms().values()):
+        return None
+    if block.attn_norm.device.type != "cpu" or not _compiled_parts():
+        return None
+    arrays = decode_layer_arrays(cache)
+    return None if arrays is None else DecodeLayer(block, arrays)

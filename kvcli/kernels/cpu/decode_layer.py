@@ -1,0 +1,80 @@
+"""One decode token through one Llama block in one compiled call (numba): the common CPU case, a single sequence, every
+matrix in ggml_tiles' form and a dense K/V cache read by attention.py's kernel.
+
+A decode step runs ~15 Python-level ops a layer (norms, products, RoPE, the cache's write and attention, SwiGLU,
+residuals); each is a few microseconds hot but 15-30 in a step's caches, cold from the weights streaming through
+them, ~30% of a small model's token (benchmarks/README.md). Here the same compiled functions run in the same order
+on the same operands (the norm's pass, ggml_tiles' product, rope.rotate, quantize's dense write, attention's
+_attend, swiglu), so a token's bits equal the op-by-op path's (tests/test_decode_layer.py).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from . import ggml_tiles
+from .attention import PARALLEL_MIN, _attend, _attend_threaded
+from .compile import jit
+from .norm import norm
+from .quantize import _put_dense
+from .rope import rotate
+from .swiglu import swiglu
+
+
+@jit
+def _product(kind, tiles, x, threads):
+    """x (1, K) -> x W.T (1, N): ggml_tiles' product in this many threads (1: the calling one)."""
+    y = np.empty((x.shape[0], tiles.shape[0] * ggml_tiles.TILE_ROWS), np.float32)
+    if threads > 1:
+        ggml_tiles._threaded(kind, tiles, x, y, threads)
+    else:
+        ggml_tiles._one(kind, tiles, x, y)
+    return y
+
+
+PARTS = 3  # a matrix's forms stacked along N at most (q, k, v of different types: kvcli/weights.py Concat)
+
+
+@jit
+def _stacked(kinds, parts, x, threads):
+    """x (1, K) -> x W.T (1, N) for W stacked from up to PARTS tiled forms (parts: their tiles, a unit tuple; no
+    rows where unused), each part's product into its columns, as Concat's torch.cat puts them."""
+    n = 0
+    for i in range(PARTS):
+        n += parts[i].shape[0] * ggml_tiles.TILE_ROWS
+    y = np.empty((1, n), np.float32)
+    at = 0
+    for i in range(PARTS):
+        if parts[i].shape[0]:
+            part = _product(kinds[i], parts[i], x, threads)
+            y[:, at : at + part.shape[1]] = part
+            at += part.shape[1]
+    return y
+
+
+@jit
+def layer(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt, ktab,
+          vfmt, vtab, wkv, wmask, extra, pos, scale, threads):
+    """h (1, n_embd) f32, the residual stream at position pos -> the block's output (1, n_embd). The four matrices (qkv,
+    o, gate/up, down) as _stacked takes them, kinds (4, PARTS) their parts' TILE_TYPES indices; bqkv (H + 2 Hkv) D or
+    0 elements; rot (1, 1, D/2) complex64; heads (H, Hkv, D); kdat, vdat (1, Hkv, n_ctx, D) the layer's stores, kfmt
+    .. vtab their layouts and wkv, wmask, extra attention's empty window and extra (kvcli/kernels/cpu/attention.py)."""
+    H, Hkv, D = heads[0], heads[1], heads[2]
+    x = norm(h, attn_norm, eps)
+    qkv = _stacked(kinds[0], wqkv, x, threads)  # (1, (H + 2 Hkv) D)
+    if bqkv.shape[0]:
+        qkv[0] += bqkv
+    q4 = qkv.reshape(1, 1, H + 2 * Hkv, D)
+    rotate(q4[:, :, : H + Hkv], rot, neox)
+    at = np.full(1, pos, np.int64)
+    _put_dense(kdat, q4[0, :, H : H + Hkv], vdat, q4[0, :, H + Hkv :], np.zeros(1, np.int64), at)
+    qm = q4[0, 0, :H].copy().reshape(1, Hkv, H // Hkv, D)
+    out = np.empty_like(qm)
+    if threads > 1:
+        _attend_threaded(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, at + 1, out, threads,
+                         PARALLEL_MIN)
+    else:
+        _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, at + 1, out)
+    h = h + _stacked(kinds[1], wo, out.reshape(1, H * D), threads)
+    x = norm(h, ffn_norm, eps)
+    return h + _stacked(kinds[3], wdown, swiglu(_stacked(kinds[2], wgu, x, threads)), threads)
