@@ -375,6 +375,10 @@ def _cpu_hadamard_codes(store, y):
     return _cpu_module("quantize").quantize(y, store.scale_grid_f32)
 
 
+def _cpu_q8_0_blocks(store, y):
+    return _cpu_module("quantize").q8_0_blocks(y)
+
+
 def _gpu_hadamard_codes(store, y):
     from kvcli.kernels.gpu.quantize import quantize_codes  # imports triton: only where kernels run
 
@@ -400,6 +404,8 @@ def _gpu_blocks(store, y):
 for _entry in (
     Entry(QUANTIZE, "cpu", frozenset(_ROTATED), "kvcli/kernels/cpu/quantize.py (numba)", _cpu_hadamard_codes,
           ready=_numba_ready, why="the scale search block by block, no (grid, blocks, 32) temporaries"),
+    Entry(QUANTIZE, "cpu", frozenset({Kind.Q8_0}), "kvcli/kernels/cpu/quantize.py q8_0_blocks (numba)",
+          _cpu_q8_0_blocks, ready=_numba_ready, why="one pass where torch's quantizer takes a dozen ops, byte-exact"),
     Entry(QUANTIZE, "cuda", frozenset(_ROTATED), "kvcli/kernels/gpu/quantize.py (Triton)", _gpu_hadamard_codes,
           ready=_triton_ready),
     Entry(QUANTIZE, "cuda", frozenset(_TQ), "kvcli/kernels/gpu/quantize.py (Triton)", _gpu_tq_codes, ready=_triton_ready),
@@ -411,24 +417,33 @@ table.register(Entry(QUANTIZE, "any", frozenset(), "the store's quantize_referen
                      lambda store, y: store.quantize_reference(y)), reference=True)
 
 
-def decode_layer_arrays(cache):
-    """Where a compiled decode layer (kvcli/decode_layer.py) may write and read this cache, a function layer -> (K's
-    data, V's data) numpy views (1, Hkv, n_ctx, D) of that layer; else None. It does where one sequence's decode token
-    is a dense store's compiled write (put_dense) and this table's CPU kernel over dense K and V (attention.py's): one
-    sequence, no window, keys as they come, -fa on, one dense type for K and V."""
+def decode_layer_stores(cache):
+    """Where a compiled decode layer (kvcli/decode_layer.py) may write and read this cache: (views, layouts, q8_0),
+    views(layer) the layer's K and V data as attention.py's kernel reads them (1, Hkv, n_ctx, D or row bytes), and
+    for q8_0 their bytes as uint8 after them, layouts that kernel's (kfmt, ktab, vfmt, vtab); else None. It may where
+    one sequence's decode token is a compiled write (dense: put_dense; q8_0: its compiled quantizer) and this table's
+    CPU kernel over K and V (attention.py's): one sequence, no window, keys as they come, -fa on, one type for both."""
     k, v = getattr(cache, "k", None), getattr(cache, "v", None)
     if (k is None or type(k) is not type(v) or getattr(cache, "window", 1) or cache.key_bias is not None
-            or cache.base is not None or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"
-            or k.writer is not _cpu_dense_write):
+            or cache.base is not None or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"):
         return None
     lk, lv = k.kernel_layout(), v.kernel_layout()
-    if lk is None or lk.kind not in DENSE_KINDS or lv.kind != lk.kind:
+    dense = lk is not None and lk.kind in DENSE_KINDS and k.writer is _cpu_dense_write
+    q8_0 = lk is not None and lk.kind == Kind.Q8_0 and k.quantizer is _cpu_q8_0_blocks
+    if not (dense or q8_0) or lv.kind != lk.kind:
         return None
     entry = table.choose(ATTEND, "cpu", (lk.kind, lv.kind), decode=True, per_row=False, head_dim=k.head_dim, k=lk,
                          v=lv, key_bias=False)
     if getattr(entry.run, "module", None) != "attention":
         return None
-    return lambda layer: (k.operands(layer).arrays[0], v.operands(layer).arrays[0])
+    kernel = _cpu_module("attention")
+
+    def views(layer: int) -> tuple:
+        ko, vo = k.operands(layer), v.operands(layer)
+        read = (kernel._rows(ko), kernel._rows(vo))
+        return read + (ko.arrays[0], vo.arrays[0]) if q8_0 else read
+
+    return views, (*kernel._layout(lk), *kernel._layout(lv)), q8_0
 
 
 # WRITE: run(layout, arrays, values, rows, pos): vector m of values[i] into arrays[i] at sequence rows[m], position

@@ -3,8 +3,8 @@ CPU kernel anyway: the op-by-op path's functions in its order, so its bits. Bloc
 
 It applies to one sequence's token (B = T = 1) with every matrix of the block in ggml_tiles' form (FileTiles, or a
 few stacked: Concat), the table's compiled norm, RoPE and SwiGLU chosen, no per-head norm (qwen3), and a cache whose
-decode is a dense store's compiled write and attention.py's kernel (kvcli/attention.py decode_layer_arrays). Anything
-else runs op by op.
+decode is a compiled write (a dense type, q8_0) and attention.py's kernel (kvcli/attention.py decode_layer_stores).
+Anything else runs op by op.
 """
 
 from __future__ import annotations
@@ -31,7 +31,7 @@ def _compiled_parts() -> bool:
 class DecodeLayer:
     """One block's decode over one cache: its fixed operands gathered once; a call is one compiled call."""
 
-    def __init__(self, block, arrays):
+    def __init__(self, block, stores):
         from kvcli.kernels.cpu import attention as kernel
         from kvcli.kernels.cpu.decode_layer import PARTS
         from kvcli.kernels.cpu.vectors import TILE_TYPES
@@ -42,24 +42,26 @@ class DecodeLayer:
         tiles = [tuple(f.tiles for f in p) + (_NO_TILES,) * (PARTS - len(p)) for p in parts]
         bias = block.bqkv.numpy() if block.bqkv is not None else np.zeros(0, np.float32)
         G = c.n_heads // c.n_kv_heads
-        self.block, self.layer, self.arrays, self.neox = block, block.layer, arrays, c.rope_neox
+        self.layer, self.neox = block.layer, c.rope_neox
+        self.views, layouts, q8_0 = stores
         self.weights = (block.attn_norm.numpy(), block.ffn_norm.numpy(), np.float32(c.rms_eps), kinds, tiles[0], bias,
                         tiles[1], tiles[2], tiles[3])
-        self.heads = np.array([c.n_heads, c.n_kv_heads, c.head_dim], np.int64)
-        dense = kernel._NO_BLOCKS  # a dense store's layout arguments (unread)
-        self.reads = (*dense, *dense, *kernel._NO_WINDOW, np.zeros((1, c.n_kv_heads, G, 0), np.float32))
+        self.heads = np.array([c.n_heads, c.n_kv_heads, c.head_dim, 1], np.int64)  # and the threads (at each call)
+        self.reads = (*layouts, *kernel._NO_WINDOW, np.zeros((1, c.n_kv_heads, G, 0), np.float32))
+        from kvcli.kernels.cpu import decode_layer
+
+        self.kernel = decode_layer.layer_q8_0 if q8_0 else decode_layer.layer
         self.scale = np.float32(1 / math.sqrt(c.head_dim))
 
     def __call__(self, h: torch.Tensor, pos: int, rot: torch.Tensor) -> torch.Tensor:
         """h (1, 1, n_embd) f32 at position pos, rot (1, D/2) its rotation -> the block's output (1, 1, n_embd)."""
         from kvcli.kernels.cpu import ggml_rows
         from kvcli.kernels.cpu.compile import THREADED, numba
-        from kvcli.kernels.cpu.decode_layer import layer
 
-        threads = min(ggml_rows._threads(), numba.config.NUMBA_NUM_THREADS) if THREADED else 1
-        kdat, vdat = self.arrays(self.layer)
-        out = layer(h.view(1, -1).numpy(), *self.weights, rot.numpy()[None], self.neox, self.heads, kdat, vdat,
-                    *self.reads, pos, self.scale, threads)
+        self.heads[3] = min(ggml_rows._threads(), numba.config.NUMBA_NUM_THREADS) if THREADED else 1
+        kdat, vdat, *raw = self.views(self.layer)
+        out = self.kernel(h.view(1, -1).numpy(), *self.weights, rot.numpy()[None], self.neox, self.heads, kdat, vdat,
+                          *self.reads, pos, self.scale, *raw)
         return torch.from_numpy(out).view(1, 1, -1)
 
 
@@ -78,11 +80,11 @@ def _parts(form) -> list:
 
 def plan(block, cache) -> DecodeLayer | None:
     """The compiled decode layer of `block` over `cache`, or None where its token runs op by op (module docstring)."""
-    from kvcli.attention import decode_layer_arrays
+    from kvcli.attention import decode_layer_stores
 
     if block.qk_norm is not None or not all(_parts(f) for f in block.forms().values()):
         return None
     if block.attn_norm.device.type != "cpu" or not _compiled_parts():
         return None
-    arrays = decode_layer_arrays(cache)
-    return None if arrays is None else DecodeLayer(block, arrays)
+    stores = decode_layer_stores(cache)
+    return None if stores is None else DecodeLayer(block, stores)

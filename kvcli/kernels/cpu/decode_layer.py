@@ -16,7 +16,7 @@ from . import ggml_tiles
 from .attention import PARALLEL_MIN, _attend, _attend_threaded
 from .compile import jit
 from .norm import norm
-from .quantize import _put_dense
+from .quantize import _put_dense, _q8_0_blocks
 from .rope import rotate
 from .swiglu import swiglu
 
@@ -53,28 +53,59 @@ def _stacked(kinds, parts, x, threads):
 
 
 @jit
-def layer(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt, ktab,
-          vfmt, vtab, wkv, wmask, extra, pos, scale, threads):
-    """h (1, n_embd) f32, the residual stream at position pos -> the block's output (1, n_embd). The four matrices (qkv,
-    o, gate/up, down) as _stacked takes them, kinds (4, PARTS) their parts' TILE_TYPES indices; bqkv (H + 2 Hkv) D or
-    0 elements; rot (1, 1, D/2) complex64; heads (H, Hkv, D); kdat, vdat (1, Hkv, n_ctx, D) the layer's stores, kfmt
-    .. vtab their layouts and wkv, wmask, extra attention's empty window and extra (kvcli/kernels/cpu/attention.py)."""
+def _qkv(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads):
+    """The block's q, k and v of h (1, n_embd), rotated: (1, 1, H + 2 Hkv, D)."""
     H, Hkv, D = heads[0], heads[1], heads[2]
-    x = norm(h, attn_norm, eps)
-    qkv = _stacked(kinds[0], wqkv, x, threads)  # (1, (H + 2 Hkv) D)
+    qkv = _stacked(kinds[0], wqkv, norm(h, attn_norm, eps), heads[3])  # (1, (H + 2 Hkv) D)
     if bqkv.shape[0]:
         qkv[0] += bqkv
     q4 = qkv.reshape(1, 1, H + 2 * Hkv, D)
     rotate(q4[:, :, : H + Hkv], rot, neox)
-    at = np.full(1, pos, np.int64)
-    _put_dense(kdat, q4[0, :, H : H + Hkv], vdat, q4[0, :, H + Hkv :], np.zeros(1, np.int64), at)
+    return q4
+
+
+@jit
+def _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra,
+          pos, scale):
+    """Attention over the stores through position pos (written), then the o product, the residual, the feed-forward
+    and its residual -> the block's output (1, n_embd)."""
+    H, Hkv, D, threads = heads[0], heads[1], heads[2], heads[3]
     qm = q4[0, 0, :H].copy().reshape(1, Hkv, H // Hkv, D)
     out = np.empty_like(qm)
+    lim = np.full(1, pos + 1, np.int64)
     if threads > 1:
-        _attend_threaded(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, at + 1, out, threads,
+        _attend_threaded(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, lim, out, threads,
                          PARALLEL_MIN)
     else:
-        _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, at + 1, out)
+        _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, lim, out)
     h = h + _stacked(kinds[1], wo, out.reshape(1, H * D), threads)
     x = norm(h, ffn_norm, eps)
     return h + _stacked(kinds[3], wdown, swiglu(_stacked(kinds[2], wgu, x, threads)), threads)
+
+
+@jit
+def layer(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt, ktab,
+          vfmt, vtab, wkv, wmask, extra, pos, scale):
+    """h (1, n_embd) f32, the residual stream at position pos -> the block's output (1, n_embd), over dense stores.
+    The four matrices (qkv, o, gate/up, down) as _stacked takes them, kinds (4, PARTS) their parts' TILE_TYPES
+    indices; bqkv (H + 2 Hkv) D or 0 elements; rot (1, 1, D/2) complex64; heads (H, Hkv, D, threads); kdat, vdat (1,
+    Hkv, n_ctx, D) the layer's stores, kfmt .. vtab their layouts and wkv, wmask, extra attention's empty window and
+    extra (kvcli/kernels/cpu/attention.py)."""
+    H, Hkv = heads[0], heads[1]
+    q4 = _qkv(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
+    _put_dense(kdat, q4[0, :, H : H + Hkv], vdat, q4[0, :, H + Hkv :], np.zeros(1, np.int64), np.full(1, pos, np.int64))
+    return _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask,
+                 extra, pos, scale)
+
+
+@jit
+def layer_q8_0(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt,
+               ktab, vfmt, vtab, wkv, wmask, extra, pos, scale, kraw, vraw):
+    """`layer` over q8_0 stores: k and v quantized into kraw, vraw (1, Hkv, n_ctx, row bytes) uint8 at pos (the bytes
+    kdat, vdat read as int8) as the store's compiled quantizer makes them."""
+    H, Hkv = heads[0], heads[1]
+    q4 = _qkv(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
+    _q8_0_blocks(q4[:, :, H : H + Hkv], kraw[:, :, pos : pos + 1])
+    _q8_0_blocks(q4[:, :, H + Hkv :], vraw[:, :, pos : pos + 1])
+    return _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask,
+                 extra, pos, scale)

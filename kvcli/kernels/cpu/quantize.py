@@ -91,6 +91,38 @@ def quantize(y: torch.Tensor, grid: np.ndarray) -> tuple[torch.Tensor, torch.Ten
     return torch.from_numpy(u).view(B, T, H, D), torch.from_numpy(d).view(B, T, H, D // BLOCK)
 
 
+@exact_jit
+def _q8_0_blocks(y, out):
+    """y (B, T, H, D) f32 -> out (B, H, T, D / 32 * 34) uint8, ggml's quantize_row_q8_0_ref: d = amax / 127 (its f16
+    bits first, rounded to nearest even), then roundf(x / d) as int8 (x times 1 / d, halves away from zero)."""
+    B, T, H, D = y.shape
+    for b in range(B):
+        for t in range(T):
+            for h in range(H):
+                for k in range(D // 32):
+                    amax = np.float32(0)
+                    for e in range(32):
+                        amax = max(amax, abs(y[b, t, h, 32 * k + e]))
+                    d = amax / np.float32(127)
+                    inv = np.float32(1) / d if d != 0 else np.float32(0)
+                    bits = from_f32(d, np.uint16(0))
+                    o = 34 * k
+                    out[b, h, t, o] = np.uint8(bits & 0xFF)
+                    out[b, h, t, o + 1] = np.uint8(bits >> 8)
+                    for e in range(32):
+                        v = y[b, t, h, 32 * k + e] * inv
+                        q = np.int32(v) + np.int32(np.float32(2) * (v - np.float32(np.int32(v))))  # roundf
+                        out[b, h, t, o + 2 + e] = np.uint8(q & 0xFF)
+
+
+def q8_0_blocks(y: torch.Tensor) -> torch.Tensor:
+    """y (B, T, H, D) f32 -> q8_0 blocks (B, H, T, D / 32 * 34) uint8, as Q8_0Store.quantize_reference lays them."""
+    B, T, H, D = y.shape
+    out = np.empty((B, H, T, D // 32 * 34), np.uint8)
+    _q8_0_blocks(y.float().numpy(), out)
+    return torch.from_numpy(out)
+
+
 @jit
 def _put_vectors(data, scale, u, d, rows, pos, keys):
     """Entry m's codes u[m] (H, D) uint8 and scales d[m] (H, D / 32) f32 (bf16 values) -> sequence rows[m] at position
