@@ -419,7 +419,7 @@ table.register(Entry(QUANTIZE, "any", frozenset(), "the store's quantize_referen
 
 def decode_layer_stores(cache):
     """Where a compiled decode layer (kvcli/decode_layer.py) may write and read this cache: (views, layouts, q8_0),
-    views(layer) the layer's K and V data as attention.py's kernel reads them (1, Hkv, n_ctx, D or row bytes), and
+    views(cache, layer) the layer's K and V data as attention.py's kernel reads them (1, Hkv, n_ctx, D or row bytes), and
     for q8_0 their bytes as uint8 after them, layouts that kernel's (kfmt, ktab, vfmt, vtab); else None. It may where
     one sequence's decode token is a compiled write (dense: put_dense; q8_0: its compiled quantizer) and this table's
     CPU kernel over K and V (attention.py's): one sequence, no window, keys as they come, -fa on, one type for both."""
@@ -438,8 +438,8 @@ def decode_layer_stores(cache):
         return None
     kernel = _cpu_module("attention")
 
-    def views(layer: int) -> tuple:
-        ko, vo = k.operands(layer), v.operands(layer)
+    def views(cache, layer: int) -> tuple:  # the cache passed at each call: a plan keeps no cache alive
+        ko, vo = cache.k.operands(layer), cache.v.operands(layer)
         read = (kernel._rows(ko), kernel._rows(vo))
         return read + (ko.arrays[0], vo.arrays[0]) if q8_0 else read
 

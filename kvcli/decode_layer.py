@@ -2,9 +2,9 @@
 CPU kernel anyway: the op-by-op path's functions in its order, so its bits. Block.forward asks `plan` once per cache.
 
 It applies to one sequence's token (B = T = 1) with every matrix of the block in ggml_tiles' form (FileTiles, or a
-few stacked: Concat), the table's compiled norm, RoPE and SwiGLU chosen, no per-head norm (qwen3), and a cache whose
-decode is a compiled write (a dense type, q8_0) and attention.py's kernel (kvcli/attention.py decode_layer_stores).
-Anything else runs op by op.
+few stacked: Concat), the table's compiled norm, RoPE and SwiGLU chosen and no per-head norm (qwen3): one call where
+the cache's decode is a compiled write (a dense type, q8_0) and attention.py's kernel (kvcli/attention.py
+decode_layer_stores), else two around the cache's own attention. Anything else runs op by op.
 """
 
 from __future__ import annotations
@@ -29,10 +29,12 @@ def _compiled_parts() -> bool:
 
 
 class DecodeLayer:
-    """One block's decode over one cache: its fixed operands gathered once; a call is one compiled call."""
+    """One block's decode over one cache: its fixed operands gathered once. A call is one compiled call where the cache
+    is one the layer writes and reads itself (stores: kvcli/attention.py decode_layer_stores), else two around the
+    cache's own `attention` (its window, its rotated types, its hidden state: any cache)."""
 
     def __init__(self, block, stores):
-        from kvcli.kernels.cpu import attention as kernel
+        from kvcli.kernels.cpu import attention as kernel, decode_layer
         from kvcli.kernels.cpu.decode_layer import PARTS
         from kvcli.kernels.cpu.vectors import TILE_TYPES
 
@@ -41,27 +43,36 @@ class DecodeLayer:
         kinds = np.array([[TILE_TYPES.index(f.type) for f in p] + [-1] * (PARTS - len(p)) for p in parts], np.int64)
         tiles = [tuple(f.tiles for f in p) + (_NO_TILES,) * (PARTS - len(p)) for p in parts]
         bias = block.bqkv.numpy() if block.bqkv is not None else np.zeros(0, np.float32)
-        G = c.n_heads // c.n_kv_heads
-        self.layer, self.neox = block.layer, c.rope_neox
-        self.views, layouts, q8_0 = stores
-        self.weights = (block.attn_norm.numpy(), block.ffn_norm.numpy(), np.float32(c.rms_eps), kinds, tiles[0], bias,
-                        tiles[1], tiles[2], tiles[3])
+        norms, eps = (block.attn_norm.numpy(), block.ffn_norm.numpy()), np.float32(c.rms_eps)
+        self.layer, self.neox, self.split = block.layer, c.rope_neox, (c.n_heads, c.n_kv_heads, c.n_kv_heads)
         self.heads = np.array([c.n_heads, c.n_kv_heads, c.head_dim, 1], np.int64)  # and the threads (at each call)
-        self.reads = (*layouts, *kernel._NO_WINDOW, np.zeros((1, c.n_kv_heads, G, 0), np.float32))
-        from kvcli.kernels.cpu import decode_layer
+        self.front = (norms[0], eps, kinds, tiles[0], bias)  # `front`'s weights
+        self.back = (norms[1], eps, kinds, tiles[1], tiles[2], tiles[3])  # `back`'s
+        self.weights = (*norms, eps, kinds, tiles[0], bias, tiles[1], tiles[2], tiles[3])  # `layer`'s
+        self.views = None
+        if stores is not None:
+            self.views, layouts, q8_0 = stores
+            G = c.n_heads // c.n_kv_heads
+            self.reads = (*layouts, *kernel._NO_WINDOW, np.zeros((1, c.n_kv_heads, G, 0), np.float32))
+            self.scale = np.float32(1 / math.sqrt(c.head_dim))
+            self.kernel = decode_layer.layer_q8_0 if q8_0 else decode_layer.layer
 
-        self.kernel = decode_layer.layer_q8_0 if q8_0 else decode_layer.layer
-        self.scale = np.float32(1 / math.sqrt(c.head_dim))
-
-    def __call__(self, h: torch.Tensor, pos: int, rot: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         """h (1, 1, n_embd) f32 at position pos, rot (1, D/2) its rotation -> the block's output (1, 1, n_embd)."""
-        from kvcli.kernels.cpu import ggml_rows
+        from kvcli.kernels.cpu import decode_layer, ggml_rows
         from kvcli.kernels.cpu.compile import THREADED, numba
 
-        self.heads[3] = min(ggml_rows._threads(), numba.config.NUMBA_NUM_THREADS) if THREADED else 1
-        kdat, vdat, *raw = self.views(self.layer)
-        out = self.kernel(h.view(1, -1).numpy(), *self.weights, rot.numpy()[None], self.neox, self.heads, kdat, vdat,
-                          *self.reads, pos, self.scale, *raw)
+        threads = self.heads[3] = min(ggml_rows._threads(), numba.config.NUMBA_NUM_THREADS) if THREADED else 1
+        h1, r = h.view(1, -1).numpy(), rot.numpy()[None]
+        if self.views is not None:
+            kdat, vdat, *raw = self.views(cache, self.layer)
+            out = self.kernel(h1, *self.weights, r, self.neox, self.heads, kdat, vdat, *self.reads, pos, self.scale,
+                              *raw)
+            return torch.from_numpy(out).view(1, 1, -1)
+        x, qkv = decode_layer.front(h1, *self.front, r, self.neox, self.heads)
+        q, k, v = torch.from_numpy(qkv).split(self.split, 2)  # (1, 1, H, D), (1, 1, Hkv, D) x 2
+        o = cache.attention(self.layer, q, k, v, torch.from_numpy(x).view(1, 1, -1), pos)  # (1, 1, H D)
+        out = decode_layer.back(h1, o.reshape(1, -1).contiguous().numpy(), *self.back, threads)
         return torch.from_numpy(out).view(1, 1, -1)
 
 
@@ -84,7 +95,6 @@ def plan(block, cache) -> DecodeLayer | None:
 
     if block.qk_norm is not None or not all(_parts(f) for f in block.forms().values()):
         return None
-    if block.attn_norm.device.type != "cpu" or not _compiled_parts():
+    if block.attn_norm.device.type != "cpu" or not _compiled_parts() or not hasattr(cache, "attention"):
         return None
-    stores = decode_layer_stores(cache)
-    return None if stores is None else DecodeLayer(block, stores)
+    return DecodeLayer(block, decode_layer_stores(cache))

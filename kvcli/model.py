@@ -71,7 +71,7 @@ class Block(nn.Module):
         if B == 1 and T == 1 and type(pos) is int and pos < getattr(cache, "n_ctx", 0):  # one sequence's token
             run = self.decode_plan(cache)
             if run is not None:
-                return run(h, pos, rot)
+                return run(h, cache, pos, rot)
         x = rms_norm(h, self.attn_norm, c.rms_eps)
         qkv = self.wqkv.matmul(x)  # (B, T, (H + 2*Hkv) * D)
         if self.bqkv is not None:  # qwen2

@@ -1,6 +1,7 @@
 """The compiled decode layer (kvcli/decode_layer.py) gives the op-by-op path's bits: each decode token's logits equal,
-on the files whose blocks it takes (every matrix in ggml_tiles' form), over the cache types it writes (dense, q8_0),
-at one and two threads; and it steps aside where it does not apply (a window, another quantized type, a batch)."""
+on the files whose blocks it takes (every matrix in ggml_tiles' form), at one and two threads, in one call over the
+cache types it writes itself (dense, q8_0) and in two around the cache's attention for the others (a window, the
+rotated types, per-layer types, the hidden-state cache); and it steps aside for a batch."""
 
 from __future__ import annotations
 
@@ -41,27 +42,32 @@ def _planned(llm: Llama) -> bool:
     return all(b._plan is not None for b in llm.model.blocks)
 
 
+ONE_CALL = ("f16", "f32", "bf16", "q8_0")
+
+
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("cache", ["f16", "f32", "bf16", "q8_0"])
+@pytest.mark.parametrize("cache", [*ONE_CALL, "q4_0", "tq4", "q4_hadamard", "tq3/f16", "hidden"])
 @pytest.mark.parametrize("path", _files())
 def test_compiled_layer_gives_the_op_by_op_bits(path, cache, threads, monkeypatch):
-    llm = Llama(path, ctx_size=64, cache_type_k=cache, cache_type_v=cache, threads=threads)
-    fused = _decode_logits(llm)
+    kw = dict(cache_mode="hidden") if cache == "hidden" else dict(zip(("cache_type_k", "cache_type_v"),
+                                                                      (cache.split("/") * 2)[:2]))
+    llm = Llama(path, ctx_size=128, threads=threads, **kw)
+    fused = _decode_logits(llm, steps=70 if "tq" in cache else 6)  # past a window's flush (tq4: 64 positions)
     if not _planned(llm):
         pytest.skip(f"{path.name}: the compiled layer does not apply on this machine (no AVX2 tiles)")
+    assert all((b._plan.views is not None) == (cache in ONE_CALL) for b in llm.model.blocks)
     monkeypatch.setattr(kvcli.decode_layer, "plan", lambda block, cache: None)
     for b in llm.model.blocks:
         b._plan_for = None
-    plain = _decode_logits(llm)
+    plain = _decode_logits(llm, steps=len(fused))
     assert not any(b._plan is not None for b in llm.model.blocks)
     for a, b in zip(fused, plain):
         assert torch.equal(a, b)
 
 
-@pytest.mark.parametrize("kw", [dict(cache_type_k="q4_0", cache_type_v="q4_0"), dict(cache_window=16,
-                                cache_type_k="q4_hadamard", cache_type_v="q4_hadamard"), dict(n_seq=2)],
-                         ids=["q4_0", "window", "two-sequences"])
-def test_it_steps_aside_where_it_does_not_apply(kw):
-    llm = Llama(DATA / "tiny-Q4_K_M.gguf", ctx_size=64, threads=1, **kw)
-    _decode_logits(llm, steps=1)
+def test_it_steps_aside_for_a_batch():
+    llm = Llama(DATA / "tiny-Q4_K_M.gguf", ctx_size=64, threads=1, n_seq=2)
+    cache = llm.new_cache(llm.cache_spec)
+    llm.model(torch.tensor([PROMPT, PROMPT]), cache, 0)
+    llm.model(torch.tensor([[3], [4]]), cache, len(PROMPT))
     assert all(b._plan is None for b in llm.model.blocks)

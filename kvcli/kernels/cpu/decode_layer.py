@@ -53,22 +53,30 @@ def _stacked(kinds, parts, x, threads):
 
 
 @jit
-def _qkv(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads):
-    """The block's q, k and v of h (1, n_embd), rotated: (1, 1, H + 2 Hkv, D)."""
+def front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads):
+    """The block's normed input x (1, n_embd) and its q, k and v, rotated: (1, 1, H + 2 Hkv, D)."""
     H, Hkv, D = heads[0], heads[1], heads[2]
-    qkv = _stacked(kinds[0], wqkv, norm(h, attn_norm, eps), heads[3])  # (1, (H + 2 Hkv) D)
+    x = norm(h, attn_norm, eps)
+    qkv = _stacked(kinds[0], wqkv, x, heads[3])  # (1, (H + 2 Hkv) D)
     if bqkv.shape[0]:
         qkv[0] += bqkv
     q4 = qkv.reshape(1, 1, H + 2 * Hkv, D)
     rotate(q4[:, :, : H + Hkv], rot, neox)
-    return q4
+    return x, q4
+
+
+@jit
+def back(h, o, ffn_norm, eps, kinds, wo, wgu, wdown, threads):
+    """After attention's o (1, H D): the o product, the residual, the feed-forward and its residual -> (1, n_embd)."""
+    h = h + _stacked(kinds[1], wo, o, threads)
+    x = norm(h, ffn_norm, eps)
+    return h + _stacked(kinds[3], wdown, swiglu(_stacked(kinds[2], wgu, x, threads)), threads)
 
 
 @jit
 def _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra,
           pos, scale):
-    """Attention over the stores through position pos (written), then the o product, the residual, the feed-forward
-    and its residual -> the block's output (1, n_embd)."""
+    """Attention over the stores through position pos (written), then `back` -> the block's output (1, n_embd)."""
     H, Hkv, D, threads = heads[0], heads[1], heads[2], heads[3]
     qm = q4[0, 0, :H].copy().reshape(1, Hkv, H // Hkv, D)
     out = np.empty_like(qm)
@@ -78,9 +86,7 @@ def _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, 
                          PARALLEL_MIN)
     else:
         _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, lim, out)
-    h = h + _stacked(kinds[1], wo, out.reshape(1, H * D), threads)
-    x = norm(h, ffn_norm, eps)
-    return h + _stacked(kinds[3], wdown, swiglu(_stacked(kinds[2], wgu, x, threads)), threads)
+    return back(h, out.reshape(1, H * D), ffn_norm, eps, kinds, wo, wgu, wdown, threads)
 
 
 @jit
@@ -92,7 +98,7 @@ def layer(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, n
     Hkv, n_ctx, D) the layer's stores, kfmt .. vtab their layouts and wkv, wmask, extra attention's empty window and
     extra (kvcli/kernels/cpu/attention.py)."""
     H, Hkv = heads[0], heads[1]
-    q4 = _qkv(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
+    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
     _put_dense(kdat, q4[0, :, H : H + Hkv], vdat, q4[0, :, H + Hkv :], np.zeros(1, np.int64), np.full(1, pos, np.int64))
     return _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask,
                  extra, pos, scale)
@@ -104,7 +110,7 @@ def layer_q8_0(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, r
     """`layer` over q8_0 stores: k and v quantized into kraw, vraw (1, Hkv, n_ctx, row bytes) uint8 at pos (the bytes
     kdat, vdat read as int8) as the store's compiled quantizer makes them."""
     H, Hkv = heads[0], heads[1]
-    q4 = _qkv(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
+    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
     _q8_0_blocks(q4[:, :, H : H + Hkv], kraw[:, :, pos : pos + 1])
     _q8_0_blocks(q4[:, :, H + Hkv :], vraw[:, :, pos : pos + 1])
     return _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask,
