@@ -446,6 +446,44 @@ def decode_layer_stores(cache):
     return views, (*kernel._layout(lk), *kernel._layout(lv)), q8_0
 
 
+def decode_layer_window(cache):
+    """Where a compiled decode layer (kvcli/decode_layer.py) may put one sequence's token in this cache's window and
+    attend with attention_rotated.py's kernel: a function step(cache, layer, p) -> the token's operands (the ring's K
+    and V halves to write at p's slot, then that kernel's arrays as its `attend` passes them, from the signs on), or
+    None where the window puts positions into the stores at this step (the cache's own attention then); else None.
+    It may where the window's ring is written by the compiled pass and both stores are read by that kernel: one
+    sequence, -fa on."""
+    k, v, ring = getattr(cache, "k", None), getattr(cache, "v", None), getattr(cache, "ring", None)
+    if (ring is None or cache.base is not None or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"
+            or ring.writer is not _cpu_dense_write):
+        return None
+    lk, lv = k.kernel_layout(), v.kernel_layout()
+    if lk is None or lv is None:
+        return None
+    entry = table.choose(ATTEND, "cpu", (lk.kind, lv.kind), decode=True, per_row=True, head_dim=k.head_dim, k=lk,
+                         v=lv, key_bias=cache.key_bias is not None)
+    if getattr(entry.run, "module", None) != "attention_rotated":
+        return None
+    kernel = _cpu_module("attention_rotated")
+    fmt, mid = kernel.formats(lk, lv)
+    no_mean = (kernel._NO_MEAN, False, kernel._NO_TABLE)
+
+    def step(cache, layer: int, p: int) -> tuple | None:
+        got = cache.ring.step_one(layer, p)
+        if got is None:
+            return None
+        lim, masked = got
+        ko, vo = cache.k.operands(layer), cache.v.operands(layer)
+        kd, ks, ksink, koff = ko.arrays
+        vd, vs, vsink, voff = vo.arrays
+        mean = no_mean if cache.key_bias is None else cache.key_bias.operands(layer)
+        k_half, v_half, ring_bits = cache.ring.halves(layer)
+        return (k_half, v_half, p % cache.ring.size, ko.signs, kd, ks, ksink, koff, kernel._values_5d(vd), vs, vsink,
+                voff, ring_bits, masked.view(1, -1).numpy(), *mean, np.full(1, lim, np.int64), fmt, mid)
+
+    return step
+
+
 # WRITE: run(layout, arrays, values, rows, pos): vector m of values[i] into arrays[i] at sequence rows[m], position
 # pos[m] of a layer (a dense type: its data, or a K and V pair of one type in one call)
 def _cpu_dense_write(layout, arrays, values, rows, pos):

@@ -3,8 +3,9 @@ CPU kernel anyway: the op-by-op path's functions in its order, so its bits. Bloc
 
 It applies to one sequence's token (B = T = 1) with every matrix of the block in ggml_tiles' form (FileTiles, or a
 few stacked: Concat), the table's compiled norm, RoPE and SwiGLU chosen and no per-head norm (qwen3): one call where
-the cache's decode is a compiled write (a dense type, q8_0) and attention.py's kernel (kvcli/attention.py
-decode_layer_stores), else two around the cache's own attention. Anything else runs op by op.
+the cache's decode is a compiled write (a dense type, q8_0; a rotated type's window) and a CPU attention kernel
+(kvcli/attention.py decode_layer_stores, decode_layer_window), else two around the cache's own attention. Anything
+else runs op by op.
 """
 
 from __future__ import annotations
@@ -30,10 +31,11 @@ def _compiled_parts() -> bool:
 
 class DecodeLayer:
     """One block's decode over one cache: its fixed operands gathered once. A call is one compiled call where the cache
-    is one the layer writes and reads itself (stores: kvcli/attention.py decode_layer_stores), else two around the
-    cache's own `attention` (its window, its rotated types, its hidden state: any cache)."""
+    is one the layer writes and reads itself (stores: kvcli/attention.py decode_layer_stores; window: the rotated
+    types' window and kernel, decode_layer_window, at the steps that put nothing into the stores), else two around
+    the cache's own `attention` (a window's flush, other types, the hidden state: any cache)."""
 
-    def __init__(self, block, stores):
+    def __init__(self, block, stores, window=None):
         from kvcli.kernels.cpu import attention as kernel, decode_layer
         from kvcli.kernels.cpu.decode_layer import PARTS
         from kvcli.kernels.cpu.vectors import TILE_TYPES
@@ -49,12 +51,12 @@ class DecodeLayer:
         self.front = (norms[0], eps, kinds, tiles[0], bias)  # `front`'s weights
         self.back = (norms[1], eps, kinds, tiles[1], tiles[2], tiles[3])  # `back`'s
         self.weights = (*norms, eps, kinds, tiles[0], bias, tiles[1], tiles[2], tiles[3])  # `layer`'s
-        self.views = None
+        self.views, self.window = None, window
+        self.scale = np.float32(1 / math.sqrt(c.head_dim))
         if stores is not None:
             self.views, layouts, q8_0 = stores
             G = c.n_heads // c.n_kv_heads
             self.reads = (*layouts, *kernel._NO_WINDOW, np.zeros((1, c.n_kv_heads, G, 0), np.float32))
-            self.scale = np.float32(1 / math.sqrt(c.head_dim))
             self.kernel = decode_layer.layer_q8_0 if q8_0 else decode_layer.layer
 
     def __call__(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
@@ -69,6 +71,11 @@ class DecodeLayer:
             out = self.kernel(h1, *self.weights, r, self.neox, self.heads, kdat, vdat, *self.reads, pos, self.scale,
                               *raw)
             return torch.from_numpy(out).view(1, 1, -1)
+        if self.window is not None and pos > 0:  # (a sequence's first token starts its keys' mean: the cache's path)
+            reads = self.window(cache, self.layer, pos)
+            if reads is not None:
+                out = decode_layer.layer_window(h1, *self.weights, r, self.neox, self.heads, self.scale, *reads)
+                return torch.from_numpy(out).view(1, 1, -1)
         x, qkv = decode_layer.front(h1, *self.front, r, self.neox, self.heads)
         q, k, v = torch.from_numpy(qkv).split(self.split, 2)  # (1, 1, H, D), (1, 1, Hkv, D) x 2
         o = cache.attention(self.layer, q, k, v, torch.from_numpy(x).view(1, 1, -1), pos)  # (1, 1, H D)
@@ -91,10 +98,11 @@ def _parts(form) -> list:
 
 def plan(block, cache) -> DecodeLayer | None:
     """The compiled decode layer of `block` over `cache`, or None where its token runs op by op (module docstring)."""
-    from kvcli.attention import decode_layer_stores
+    from kvcli.attention import decode_layer_stores, decode_layer_window
 
     if block.qk_norm is not None or not all(_parts(f) for f in block.forms().values()):
         return None
     if block.attn_norm.device.type != "cpu" or not _compiled_parts() or not hasattr(cache, "attention"):
         return None
-    return DecodeLayer(block, decode_layer_stores(cache))
+    stores = decode_layer_stores(cache)
+    return DecodeLayer(block, stores, decode_layer_window(cache) if stores is None else None)

@@ -1,7 +1,8 @@
 """The compiled decode layer (kvcli/decode_layer.py) gives the op-by-op path's bits: each decode token's logits equal,
 on the files whose blocks it takes (every matrix in ggml_tiles' form), at one and two threads, in one call over the
-cache types it writes itself (dense, q8_0) and in two around the cache's attention for the others (a window, the
-rotated types, per-layer types, the hidden-state cache); and it steps aside for a batch."""
+cache types it writes itself (dense, q8_0; the rotated types' window between its flushes) and in two around the
+cache's attention for the others (a flush, other types, mixed K/V kinds, the hidden-state cache); and it steps aside
+for a batch."""
 
 from __future__ import annotations
 
@@ -56,6 +57,7 @@ def test_compiled_layer_gives_the_op_by_op_bits(path, cache, threads, monkeypatc
     if not _planned(llm):
         pytest.skip(f"{path.name}: the compiled layer does not apply on this machine (no AVX2 tiles)")
     assert all((b._plan.views is not None) == (cache in ONE_CALL) for b in llm.model.blocks)
+    assert all((b._plan.window is not None) == (cache in ("tq4", "q4_hadamard")) for b in llm.model.blocks)
     monkeypatch.setattr(kvcli.decode_layer, "plan", lambda block, cache: None)
     for b in llm.model.blocks:
         b._plan_for = None

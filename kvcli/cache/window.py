@@ -156,20 +156,44 @@ class Ring:
             writes.append((b, torch.cat(span, 2).transpose(1, 2).float(), w0))
             self.stored[layer][row] = p + 1
         self._put(layer, ring, k, v, pos)  # after the writes read the slots
+        masked, lim = self._mask(pos, lims)
+        return writes, RowsWindow(ring, masked, lim, min(lims), max(lims))
+
+    def _mask(self, pos: list[int], lims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+        """_rows_mask's, made once a step (the first layer's) and kept for the others."""
         key = (tuple(pos), tuple(lims))
         if key not in self._masks:
-            self._masks = {key: self._rows_mask(pos, lims, ring.device)}  # one step's: the newest only
-        masked, lim = self._masks[key]
-        return writes, RowsWindow(ring, masked, lim, min(lims), max(lims))
+            self._masks = {key: self._rows_mask(pos, lims, self.data.device)}  # one step's: the newest only
+        return self._masks[key]
+
+    def step_one(self, layer: int, p: int) -> tuple[int, torch.Tensor] | None:
+        """push_rows' bookkeeping for one sequence's token at p (row row0) where it writes nothing to the store:
+        -> (lim, masked (1, 1, 1, N)), the caller then puts the token in slot p % N itself (a compiled decode
+        layer, kvcli/decode_layer.py); None, and nothing changed, where positions are due in the store (push_rows)."""
+        row = self.row0
+        a = self._reads_from(layer, row, p)
+        done = min(self.stored[layer][row], p)
+        if p + 1 - self.size > done:
+            return None
+        lim = max(a, p - self.size + 1)
+        self.held[layer][row] = (max(a, p + 1 - self.size), p + 1)
+        self.stored[layer][row] = done
+        return lim, self._mask([p], [lim])[0]
+
+    def halves(self, layer: int) -> tuple:
+        """A layer's ring as f16 bits (numpy, made once per layer): (K's heads, V's heads (B, H / 2, N, D), both)."""
+        views = self._halves.get(layer)
+        if views is None:
+            bits = self.data[layer].view(torch.uint16)
+            h = bits.shape[1] // 2
+            views = self._halves[layer] = (bits[:, :h].numpy(), bits[:, h:].numpy(), bits.numpy())
+        return views
 
     def _put(self, layer: int, ring: torch.Tensor, k: torch.Tensor, v: torch.Tensor, pos: list[int]) -> None:
         """Row b's k, v (B, 1, H / 2, D) f32 into its slot pos[b] % N as f16: through the bound writer over the ring's
         halves where there is one (the same rounding as torch's), else one index write."""
         if self.writer is not None:
-            halves = self._halves.get(layer)
-            if halves is None:
-                bits, h = ring.view(torch.uint16), ring.shape[1] // 2
-                halves = self._halves[layer] = (bits[:, :h].numpy(), bits[:, h:].numpy())
+            halves = self.halves(layer)[:2]
             slots = np.array([p % self.size for p in pos], np.int64)
             self.writer(_F16, halves, (k[:, 0], v[:, 0]), np.arange(len(pos), dtype=np.int64), slots)
             return

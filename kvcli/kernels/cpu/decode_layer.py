@@ -13,6 +13,7 @@ from __future__ import annotations
 import numpy as np
 
 from . import ggml_tiles
+from . import attention_rotated
 from .attention import PARALLEL_MIN, _attend, _attend_threaded
 from .compile import jit
 from .norm import norm
@@ -115,3 +116,26 @@ def layer_q8_0(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, r
     _q8_0_blocks(q4[:, :, H + Hkv :], vraw[:, :, pos : pos + 1])
     return _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask,
                  extra, pos, scale)
+
+
+@jit
+def layer_window(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, scale, ring_k,
+                 ring_v, slot, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask, kmean, kneox, ktab, lim,
+                 fmt, mid):
+    """`layer` over rotated stores with a window (q4_hadamard, tq: attention_rotated.py's kernel): k and v into the
+    window's ring (ring_k, ring_v (1, Hkv, N, D) f16 bits) at `slot` as its compiled pass writes them, then that
+    kernel over the stores below lim and the ring's unmasked slots (its arguments from sgn on, as its `attend`
+    passes them)."""
+    H, Hkv, D, threads = heads[0], heads[1], heads[2], heads[3]
+    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
+    _put_dense(ring_k, q4[0, :, H : H + Hkv], ring_v, q4[0, :, H + Hkv :], np.zeros(1, np.int64),
+               np.full(1, slot, np.int64))
+    qm = q4[0, 0, :H].copy().reshape(1, Hkv, H // Hkv, D)
+    out = np.empty_like(qm)
+    if threads > 1 and Hkv > 1:
+        attention_rotated._attend_threaded(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask,
+                                           kmean, kneox, ktab, lim, fmt, mid, out)
+    else:
+        attention_rotated._attend(qm, scale, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask, kmean,
+                                  kneox, ktab, lim, fmt, mid, out)
+    return back(h, out.reshape(1, H * D), ffn_norm, eps, kinds, wo, wgu, wdown, threads)
