@@ -6,6 +6,7 @@ for a batch."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 
 import pytest
@@ -19,8 +20,21 @@ MODELS = Path(__file__).parent.parent / "models"
 PROMPT = [7, 100, 33, 250, 12, 5, 9]
 
 
+@pytest.fixture(scope="module")
+def qwen2_q8_0(tmp_path_factory) -> Path:
+    """A tiny random qwen2 (q, k, v biases, NEOX pairs; head size 64) converted to Q8_0."""
+    from kvcli.convert import convert_hf
+    from tiny import make_hf_qwen, qwen_tokenizer
+
+    d = tmp_path_factory.mktemp("qwen2") / "hf"
+    make_hf_qwen(arch="qwen2", hidden=256, vocab=300, seed=3).save_pretrained(d)
+    rng = random.Random(0)
+    qwen_tokenizer(d, 300, ["".join(rng.choice("abcdefgh ijklmnop.qrstuvwxyz") for _ in range(60)) for _ in range(400)])
+    return convert_hf(d, d.parent / "m.gguf", outtype="q8_0", progress=False, log=lambda line: None)
+
+
 def _files() -> list:
-    out = [pytest.param(DATA / "tiny-Q4_K_M.gguf", id="tiny-Q4_K_M")]
+    out = [pytest.param(DATA / "tiny-Q4_K_M.gguf", id="tiny-Q4_K_M"), pytest.param("qwen2_q8_0", id="qwen2-q8_0")]
     real = MODELS / "SmolLM2-135M-Instruct.Q4_1.gguf"
     out.append(pytest.param(real, id="smollm2", marks=pytest.mark.skipif(not real.exists(), reason=f"no {real}")))
     return out
@@ -49,7 +63,8 @@ ONE_CALL = ("f16", "f32", "bf16", "q8_0")
 @pytest.mark.parametrize("threads", [1, 2])
 @pytest.mark.parametrize("cache", [*ONE_CALL, "q4_0", "tq4", "q4_hadamard", "tq3/f16", "hidden"])
 @pytest.mark.parametrize("path", _files())
-def test_compiled_layer_gives_the_op_by_op_bits(path, cache, threads, monkeypatch):
+def test_compiled_layer_gives_the_op_by_op_bits(path, cache, threads, monkeypatch, request):
+    path = request.getfixturevalue(path) if isinstance(path, str) else path
     kw = dict(cache_mode="hidden") if cache == "hidden" else dict(zip(("cache_type_k", "cache_type_v"),
                                                                       (cache.split("/") * 2)[:2]))
     llm = Llama(path, ctx_size=128, threads=threads, **kw)
