@@ -201,6 +201,8 @@ class Llama:
         if self.pipe is not None:
             self.pipe.ready(self.model, self.cache)  # every stage loaded
         self.load_seconds = time.perf_counter() - t0
+        if device == "cpu" and self.pipe is None:
+            self._warm_decode()  # after the load time is taken, as llama.cpp's warm-up run
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
         self.held: list[int] = []  # the ids at sequence 0's positions (the first n_past are valid)
@@ -263,6 +265,15 @@ class Llama:
             raise KvcliError("nothing to evaluate: the prompt is empty" if isinstance(prompt, str)
                              else "nothing to evaluate: empty token list")
         return ids
+
+    def _warm_decode(self) -> None:
+        """Load the compiled decode layer's kernels (kvcli/decode_layer.py; numba's cache: ~0.3 s) with the model, not in
+        the first token's time: two tokens through a scratch cache of this run's choice and two positions."""
+        scratch = make_cache(self.config, self.cache_spec, 2, 1, device=self.device, attention=self.attention,
+                             model=self.model)
+        token = torch.zeros(1, 1, dtype=torch.long)
+        for pos in range(2):
+            self.model(token, scratch, pos)
 
     def new_cache(self, spec: CacheSpec):
         """A cache of another choice, shaped and built as this run's own (sequences, context,
