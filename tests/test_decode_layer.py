@@ -87,4 +87,4 @@ def test_it_steps_aside_for_a_batch():
     cache = llm.new_cache(llm.cache_spec)
     llm.model(torch.tensor([PROMPT, PROMPT]), cache, 0)
     llm.model(torch.tensor([[3], [4]]), cache, len(PROMPT))
-    assert all(b._plan is None for b in llm.model.blocks)
+    assert all(b._plan_for is None or b._plan_for() is not cache for b in llm.model.blocks)  # (the load's scratch's)
