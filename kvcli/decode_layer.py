@@ -51,6 +51,11 @@ class DecodeLayer:
         self.front = (norms[0], eps, kinds, tiles[0], bias)  # `front`'s weights
         self.back = (norms[1], eps, kinds, tiles[1], tiles[2], tiles[3])  # `back`'s
         self.weights = (*norms, eps, kinds, tiles[0], bias, tiles[1], tiles[2], tiles[3])  # `layer`'s
+        from kvcli.kernels.cpu import ggml_rows
+        from kvcli.kernels.cpu.compile import THREADED, numba
+
+        self.kernels = decode_layer  # the compiled functions, and how many threads they may run in
+        self.threads, self.max_threads = ggml_rows._threads, numba.config.NUMBA_NUM_THREADS if THREADED else 1
         self.views, self.window = None, window
         self.scale = np.float32(1 / math.sqrt(c.head_dim))
         if stores is not None:
@@ -61,10 +66,8 @@ class DecodeLayer:
 
     def __call__(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         """h (1, 1, n_embd) f32 at position pos, rot (1, D/2) its rotation -> the block's output (1, 1, n_embd)."""
-        from kvcli.kernels.cpu import decode_layer, ggml_rows
-        from kvcli.kernels.cpu.compile import THREADED, numba
-
-        threads = self.heads[3] = min(ggml_rows._threads(), numba.config.NUMBA_NUM_THREADS) if THREADED else 1
+        decode_layer = self.kernels
+        threads = self.heads[3] = min(self.threads(), self.max_threads)
         h1, r = h.view(1, -1).numpy(), rot.numpy()[None]
         if self.views is not None:
             kdat, vdat, *raw = self.views(cache, self.layer)

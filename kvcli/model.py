@@ -133,7 +133,7 @@ class Transformer(nn.Module):
         """The residual stream h (B, T, n_embd) f32 at positions pos..pos+T-1 through this model's blocks."""
         rot = self.rot[pos : pos + h.shape[1]]
         for block in self.blocks:
-            h = block(h, cache, pos, rot)
+            h = block.forward(h, cache, pos, rot)  # (not nn.Module's __call__: no hooks here, a few us a layer less)
         return h
 
     def head(self, h: torch.Tensor, last_only: bool = False, from_row: int = 0) -> torch.Tensor:
