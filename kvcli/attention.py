@@ -422,10 +422,11 @@ def decode_layer_stores(cache):
     views(cache, layer) the layer's K and V data as attention.py's kernel reads them (1, Hkv, n_ctx, D or row bytes), and
     for q8_0 their bytes as uint8 after them, layouts that kernel's (kfmt, ktab, vfmt, vtab); else None. It may where
     one sequence's decode token is a compiled write (dense: put_dense; q8_0: its compiled quantizer) and this table's
-    CPU kernel over K and V (attention.py's): one sequence, no window, keys as they come, -fa on, one type for both."""
+    CPU kernel over K and V (attention.py's): one sequence (a cache's only one, or a row of it: a server's slot), no
+    window, keys as they come, -fa on, one type for both."""
     k, v = getattr(cache, "k", None), getattr(cache, "v", None)
     if (k is None or type(k) is not type(v) or getattr(cache, "window", 1) or cache.key_bias is not None
-            or cache.base is not None or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"):
+            or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"):
         return None
     lk, lv = k.kernel_layout(), v.kernel_layout()
     dense = lk is not None and lk.kind in DENSE_KINDS and k.writer is _cpu_dense_write
@@ -452,9 +453,9 @@ def decode_layer_window(cache):
     and V halves to write at p's slot, then that kernel's arrays as its `attend` passes them, from the signs on), or
     None where the window puts positions into the stores at this step (the cache's own attention then); else None.
     It may where the window's ring is written by the compiled pass and both stores are read by that kernel: one
-    sequence, -fa on."""
+    sequence (or one row of a cache: a server's slot), -fa on."""
     k, v, ring = getattr(cache, "k", None), getattr(cache, "v", None), getattr(cache, "ring", None)
-    if (ring is None or cache.base is not None or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"
+    if (ring is None or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"
             or ring.writer is not _cpu_dense_write):
         return None
     lk, lv = k.kernel_layout(), v.kernel_layout()
