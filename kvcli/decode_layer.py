@@ -65,10 +65,12 @@ class DecodeLayer:
             self.kernel = decode_layer.layer_q8_0 if q8_0 else decode_layer.layer
 
     def __call__(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
-        """h (1, 1, n_embd) f32 at position pos, rot (1, D/2) its rotation -> the block's output (1, 1, n_embd)."""
-        decode_layer = self.kernels
+        """h (1, T, n_embd) f32 at positions pos.. (one sequence's, T = 1 where the plan is for a cache; else any rows
+        the cache's attention takes: a server step's, pos its own), rot (T, D/2) their rotations -> the block's output
+        (1, T, n_embd)."""
+        decode_layer, T = self.kernels, h.shape[1]
         threads = self.heads[3] = min(self.threads(), self.max_threads)
-        h1, r = h.view(1, -1).numpy(), rot.numpy()[None]
+        h1, r = h.view(T, -1).numpy(), rot.numpy()[None]
         if self.views is not None:
             kdat, vdat, *raw = self.views(cache, self.layer)
             out = self.kernel(h1, *self.weights, r, self.neox, self.heads, kdat, vdat, *self.reads, pos, self.scale,
@@ -80,10 +82,10 @@ class DecodeLayer:
                 out = decode_layer.layer_window(h1, *self.weights, r, self.neox, self.heads, self.scale, *reads)
                 return torch.from_numpy(out).view(1, 1, -1)
         x, qkv = decode_layer.front(h1, *self.front, r, self.neox, self.heads)
-        q, k, v = torch.from_numpy(qkv).split(self.split, 2)  # (1, 1, H, D), (1, 1, Hkv, D) x 2
-        o = cache.attention(self.layer, q, k, v, torch.from_numpy(x).view(1, 1, -1), pos)  # (1, 1, H D)
-        out = decode_layer.back(h1, o.reshape(1, -1).contiguous().numpy(), *self.back, threads)
-        return torch.from_numpy(out).view(1, 1, -1)
+        q, k, v = torch.from_numpy(qkv).split(self.split, 2)  # (1, T, H, D), (1, T, Hkv, D) x 2
+        o = cache.attention(self.layer, q, k, v, torch.from_numpy(x).view(1, T, -1), pos)  # (1, T, H D)
+        out = decode_layer.back(h1, o.reshape(T, -1).contiguous().numpy(), *self.back, threads)
+        return torch.from_numpy(out).view(1, T, -1)
 
 
 _NO_TILES = np.zeros((0, 8), np.uint8)  # an unused part: no rows (read-only, as the forms' tiles are)
@@ -99,13 +101,20 @@ def _parts(form) -> list:
     return parts if len(parts) <= PARTS and all(type(p) is FileTiles for p in parts) else []
 
 
-def plan(block, cache) -> DecodeLayer | None:
-    """The compiled decode layer of `block` over `cache`, or None where its token runs op by op (module docstring)."""
+ROWS = 16  # tokens up to which a batch row runs through the compiled halves: the tiles' product kernel's (weights.py
+# FILE_GEMV_ROWS), the op-by-op path's for as many rows, so the same bits
+
+
+def plan(block, cache=None) -> DecodeLayer | None:
+    """The compiled decode layer of `block` over `cache` (None: over any cache, the two halves only), or None where
+    its tokens run op by op (module docstring)."""
     from kvcli.attention import decode_layer_stores, decode_layer_window
 
     if block.qk_norm is not None or not all(_parts(f) for f in block.forms().values()):
         return None
-    if block.attn_norm.device.type != "cpu" or not _compiled_parts() or not hasattr(cache, "attention"):
+    if block.attn_norm.device.type != "cpu" or not _compiled_parts():
         return None
+    if cache is None:
+        return DecodeLayer(block, None)
     stores = decode_layer_stores(cache)
     return DecodeLayer(block, stores, decode_layer_window(cache) if stores is None else None)

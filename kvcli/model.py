@@ -55,12 +55,18 @@ class Block(nn.Module):
                              w.pop(p + "attn_k_norm.weight").float().expand(c.n_kv_heads, -1)]) if c.qk_norm else None
         self.register_buffer("qk_norm", qk_norm, persistent=False)
         self._plan, self._plan_for = None, None  # decode_plan's, and a weak reference to the cache it is for
+        self._halves = None  # decode_plan(None)'s (False: none)
 
     def forms(self) -> dict:
         return {"wqkv": self.wqkv, "wo": self.wo, "w_gate_up": self.w_gate_up, "w_down": self.w_down}
 
-    def decode_plan(self, cache: Cache):
-        """This block's compiled decode layer over `cache` (kvcli/decode_layer.py) or None, made once per cache."""
+    def decode_plan(self, cache: Cache | None):
+        """This block's compiled decode layer over `cache` (kvcli/decode_layer.py) or None, made once per cache; for
+        cache None, its two compiled halves around any cache's attention, made once."""
+        if cache is None:
+            if self._halves is None:
+                self._halves = decode_layer.plan(self) or False
+            return self._halves or None
         if self._plan_for is None or self._plan_for() is not cache:
             self._plan, self._plan_for = decode_layer.plan(self, cache), weakref.ref(cache)
         return self._plan
@@ -68,8 +74,9 @@ class Block(nn.Module):
     def forward(self, h: torch.Tensor, cache: Cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
-        if B == 1 and T == 1 and type(pos) is int and pos < getattr(cache, "n_ctx", 0):  # one sequence's token
-            run = self.decode_plan(cache)
+        if B == 1 and T <= decode_layer.ROWS and rot.shape == (T, c.head_dim // 2):  # a few tokens: compiled
+            one = T == 1 and type(pos) is int and pos < getattr(cache, "n_ctx", 0)  # one sequence's decode token
+            run = self.decode_plan(cache if one else None)
             if run is not None:
                 return run(h, cache, pos, rot)
         x = rms_norm(h, self.attn_norm, c.rms_eps)

@@ -53,6 +53,13 @@ def _decode_logits(llm: Llama, steps: int = 6) -> list[torch.Tensor]:
     return out
 
 
+def _op_by_op(llm: Llama, monkeypatch) -> None:
+    """No compiled layer from here on (the plans made so far forgotten)."""
+    monkeypatch.setattr(kvcli.decode_layer, "plan", lambda block, cache=None: None)
+    for b in llm.model.blocks:
+        b._plan_for, b._halves = None, None
+
+
 def _planned(llm: Llama) -> bool:
     return all(b._plan is not None for b in llm.model.blocks)
 
@@ -73,9 +80,7 @@ def test_compiled_layer_gives_the_op_by_op_bits(path, cache, threads, monkeypatc
         pytest.skip(f"{path.name}: the compiled layer does not apply on this machine (no AVX2 tiles)")
     assert all((b._plan.views is not None) == (cache in ONE_CALL) for b in llm.model.blocks)
     assert all((b._plan.window is not None) == (cache in ("tq4", "q4_hadamard")) for b in llm.model.blocks)
-    monkeypatch.setattr(kvcli.decode_layer, "plan", lambda block, cache: None)
-    for b in llm.model.blocks:
-        b._plan_for = None
+    _op_by_op(llm, monkeypatch)
     plain = _decode_logits(llm, steps=len(fused))
     assert not any(b._plan is not None for b in llm.model.blocks)
     for a, b in zip(fused, plain):
@@ -88,3 +93,26 @@ def test_it_steps_aside_for_a_batch():
     llm.model(torch.tensor([PROMPT, PROMPT]), cache, 0)
     llm.model(torch.tensor([[3], [4]]), cache, len(PROMPT))
     assert all(b._plan_for is None or b._plan_for() is not cache for b in llm.model.blocks)  # (the load's scratch's)
+
+
+def test_a_server_step_gives_the_op_by_op_bits(monkeypatch):
+    """Slots' steps (Transformer.forward_slots): three prompts in one step of 15 tokens, then a decode token each, run
+    through the compiled halves around Slots' attention: the op-by-op logits."""
+    from kvcli.serve.slots import Slots
+
+    llm = Llama(DATA / "tiny-Q4_K_M.gguf", ctx_size=64, threads=1, n_seq=3)
+    prompts = [PROMPT, PROMPT[:3], PROMPT[2:]]
+
+    def steps() -> list[torch.Tensor]:
+        cache = llm.new_cache(llm.cache_spec)
+        rows = [cache.rows(b, b + 1) for b in range(3)]
+        n = [len(p) for p in prompts]
+        first = llm.model.forward_slots(prompts, Slots(rows, [0] * 3, n), [0] * 3)
+        return [first, llm.model.forward_slots([[4], [5], [6]], Slots(rows, n, [1] * 3), n)]
+
+    fused = steps()
+    if not all(b._halves for b in llm.model.blocks):
+        pytest.skip("the compiled layer does not apply on this machine (no AVX2 tiles)")
+    _op_by_op(llm, monkeypatch)
+    for a, b in zip(fused, steps()):
+        assert torch.equal(a, b)

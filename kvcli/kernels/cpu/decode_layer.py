@@ -24,7 +24,7 @@ from .swiglu import swiglu
 
 @jit
 def _product(kind, tiles, x, threads):
-    """x (1, K) -> x W.T (1, N): ggml_tiles' product in this many threads (1: the calling one)."""
+    """x (M, K) -> x W.T (M, N): ggml_tiles' product in this many threads (1: the calling one)."""
     y = np.empty((x.shape[0], tiles.shape[0] * ggml_tiles.TILE_ROWS), np.float32)
     if threads > 1:
         ggml_tiles._threaded(kind, tiles, x, y, threads)
@@ -38,12 +38,12 @@ PARTS = 3  # a matrix's forms stacked along N at most (q, k, v of different type
 
 @jit
 def _stacked(kinds, parts, x, threads):
-    """x (1, K) -> x W.T (1, N) for W stacked from up to PARTS tiled forms (parts: their tiles, a unit tuple; no
+    """x (M, K) -> x W.T (M, N) for W stacked from up to PARTS tiled forms (parts: their tiles, a unit tuple; no
     rows where unused), each part's product into its columns, as Concat's torch.cat puts them."""
     n = 0
     for i in range(PARTS):
         n += parts[i].shape[0] * ggml_tiles.TILE_ROWS
-    y = np.empty((1, n), np.float32)
+    y = np.empty((x.shape[0], n), np.float32)
     at = 0
     for i in range(PARTS):
         if parts[i].shape[0]:
@@ -55,20 +55,22 @@ def _stacked(kinds, parts, x, threads):
 
 @jit
 def front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads):
-    """The block's normed input x (1, n_embd) and its q, k and v, rotated: (1, 1, H + 2 Hkv, D)."""
+    """h (T, n_embd), T tokens of one batch row (rot (1, T, D/2) theirs) -> the block's normed input x (T, n_embd)
+    and their q, k and v, rotated: (1, T, H + 2 Hkv, D)."""
     H, Hkv, D = heads[0], heads[1], heads[2]
     x = norm(h, attn_norm, eps)
-    qkv = _stacked(kinds[0], wqkv, x, heads[3])  # (1, (H + 2 Hkv) D)
+    qkv = _stacked(kinds[0], wqkv, x, heads[3])  # (T, (H + 2 Hkv) D)
     if bqkv.shape[0]:
-        qkv[0] += bqkv
-    q4 = qkv.reshape(1, 1, H + 2 * Hkv, D)
+        for t in range(qkv.shape[0]):
+            qkv[t] += bqkv
+    q4 = qkv.reshape(1, h.shape[0], H + 2 * Hkv, D)
     rotate(q4[:, :, : H + Hkv], rot, neox)
     return x, q4
 
 
 @jit
 def back(h, o, ffn_norm, eps, kinds, wo, wgu, wdown, threads):
-    """After attention's o (1, H D): the o product, the residual, the feed-forward and its residual -> (1, n_embd)."""
+    """After attention's o (T, H D): the o product, the residual, the feed-forward and its residual -> (T, n_embd)."""
     h = h + _stacked(kinds[1], wo, o, threads)
     x = norm(h, ffn_norm, eps)
     return h + _stacked(kinds[3], wdown, swiglu(_stacked(kinds[2], wgu, x, threads)), threads)
