@@ -15,18 +15,13 @@ import math
 import numpy as np
 import torch
 
-from kvcli import kernel_table as table
-from kvcli.kernel_table import NORM, PRODUCT, ROPE, SWIGLU
 
 
 def _compiled_parts() -> bool:
-    """The table's choices for norm, RoPE, SwiGLU and the tiles' product are the compiled functions the layer calls."""
+    """The choices for norm, RoPE, SwiGLU and the tiles' product are the compiled functions the layer calls."""
     from kvcli import rope, swiglu, weights
 
-    return (table.choose(NORM, "cpu", "float32").run is weights._norm_numba
-            and table.choose(ROPE, "cpu", "float32").run is rope._rope_numba
-            and table.choose(SWIGLU, "cpu", "float32").run is swiglu._swiglu_numba
-            and table.choose(PRODUCT, "cpu", "ggml_tiles").run is weights._file_tiles_dot)
+    return weights.compiled_decode_parts() and rope.compiled_on_cpu() and swiglu.compiled_on_cpu()
 
 
 class DecodeLayer:

@@ -16,9 +16,10 @@ A role is one job with one signature for all its entries:
   ROPE      RoPE in place: run(x (B, T, H, D), rot (T or B, T, D/2) complex, neox) -> None (kvcli/rope.py);
   SWIGLU    run(gu (..., 2F)) -> silu(gate) * up (..., F) (kvcli/swiglu.py).
 The key of ATTEND is the pair of K and V layout kinds (kvcli.kernels.layout.Kind), of HIDDEN the x store's
-kind, of QUANTIZE and WRITE a store's kind, of PRODUCT, ROWS a weight form's `kind`, of NORM, ROPE and SWIGLU the dtype's name. The
-modules that own each role's glue (kvcli/attention.py, kvcli/weights.py) register their entries here and are
-the only ones that ask; the leaves they call live in kvcli/kernels/cpu/ and kvcli/kernels/gpu/.
+kind, of QUANTIZE and WRITE a store's kind, of PRODUCT, ROWS a weight form's `kind`, of NORM, ROPE and SWIGLU the
+dtype's name. The modules that own each role's glue (kvcli/attention.py, kvcli/weights.py, kvcli/rope.py,
+kvcli/swiglu.py) register their entries here and are the only ones that ask; the leaves they call live in
+kvcli/kernels/cpu/ and kvcli/kernels/gpu/.
 
 The choice is made once per (role, device, key, shape) and machine (`choose` is cached), never per call:
 the first registered entry whose device matches, whose instruction set this CPU has (the ISA levels below)

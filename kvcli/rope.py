@@ -84,6 +84,11 @@ def _rope_numba(x: torch.Tensor, rot: torch.Tensor, neox: bool) -> None:
     kernel.rotate(x.numpy(), r, neox)
 
 
+def compiled_on_cpu() -> bool:
+    """Does RoPE on the CPU in f32 run the compiled pass (what the compiled decode layer calls, kvcli/decode_layer.py)?"""
+    return table.choose(ROPE, "cpu", "float32").run is _rope_numba
+
+
 def _numba_ready() -> bool:
     from kvcli.kernels.cpu.compile import available
 

@@ -32,6 +32,11 @@ def _swiglu_numba(gu: torch.Tensor) -> torch.Tensor:
     return torch.from_numpy(kernel(rows.numpy())).view(*gu.shape[:-1], gu.shape[-1] // 2)
 
 
+def compiled_on_cpu() -> bool:
+    """Does SwiGLU on the CPU in f32 run the compiled pass (what the compiled decode layer calls)?"""
+    return table.choose(SWIGLU, "cpu", "float32").run is _swiglu_numba
+
+
 def _numba_ready() -> bool:
     from kvcli.kernels.cpu.compile import available
 

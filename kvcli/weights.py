@@ -1066,6 +1066,13 @@ def _norm_numba(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tens
     return torch.from_numpy(_cpu_kernel("norm").norm(x.contiguous().numpy(), weight.numpy(), np.float32(eps)))
 
 
+def compiled_decode_parts() -> bool:
+    """Do the CPU's RMSNorm (f32) and the tiled forms' product run the compiled functions the compiled decode layer
+    calls (kvcli/decode_layer.py)?"""
+    return (table.choose(NORM, "cpu", "float32").run is _norm_numba
+            and table.choose(PRODUCT, "cpu", "ggml_tiles").run is _file_tiles_dot)
+
+
 def _norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, (x.shape[-1],), weight, eps)
 
