@@ -65,10 +65,15 @@ def _planned(llm: Llama) -> bool:
 
 
 ONE_CALL = ("f16", "f32", "bf16", "q8_0")
+# the default suite keeps one case of each mode (f16 and q8_0 in one call, tq4's window, two calls around tq3/f16 and
+# the hidden state); each further dense type or rotated kind compiles the layer again: `-m slow`
+SLOW = pytest.mark.slow
 
 
 @pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("cache", [*ONE_CALL, "q4_0", "tq4", "q4_hadamard", "tq3/f16", "hidden"])
+@pytest.mark.parametrize("cache", ["f16", "q8_0", "tq4", "tq3/f16", "hidden", pytest.param("f32", marks=SLOW),
+                                   pytest.param("bf16", marks=SLOW), pytest.param("q4_0", marks=SLOW),
+                                   pytest.param("q4_hadamard", marks=SLOW)])
 @pytest.mark.parametrize("path", _files())
 def test_compiled_layer_gives_the_op_by_op_bits(path, cache, threads, monkeypatch, request):
     path = request.getfixturevalue(path) if isinstance(path, str) else path
