@@ -268,12 +268,12 @@ class Llama:
 
     def _warm_decode(self) -> None:
         """Load the compiled decode layer's kernels (kvcli/decode_layer.py; numba's cache: ~0.3 s) with the model, not in
-        the first token's time: two tokens through a scratch cache of this run's choice and two positions."""
-        scratch = make_cache(self.config, self.cache_spec, 2, 1, device=self.device, attention=self.attention,
+        the first tokens' time: a two-token prompt (its two compiled halves) and a decode token (the one-call layer)
+        through a scratch cache of this run's choice and three positions."""
+        scratch = make_cache(self.config, self.cache_spec, 3, 1, device=self.device, attention=self.attention,
                              model=self.model)
-        token = torch.zeros(1, 1, dtype=torch.long)
-        for pos in range(2):
-            self.model(token, scratch, pos)
+        self.model(torch.zeros(1, 2, dtype=torch.long), scratch, 0)
+        self.model(torch.zeros(1, 1, dtype=torch.long), scratch, 2)
 
     def new_cache(self, spec: CacheSpec):
         """A cache of another choice, shaped and built as this run's own (sequences, context,
