@@ -480,7 +480,7 @@ def decode_layer_window(cache):
         mean = no_mean if cache.key_bias is None else cache.key_bias.operands(layer)
         k_half, v_half, ring_bits = cache.ring.halves(layer)
         return (k_half, v_half, p % cache.ring.size, ko.signs, kd, ks, ksink, koff, kernel._values_5d(vd), vs, vsink,
-                voff, ring_bits, masked.view(1, -1).numpy(), *mean, np.full(1, lim, np.int64), fmt, mid)
+                voff, ring_bits, masked, *mean, np.full(1, lim, np.int64), fmt, mid)
 
     return step
 

@@ -156,19 +156,22 @@ class Ring:
             writes.append((b, torch.cat(span, 2).transpose(1, 2).float(), w0))
             self.stored[layer][row] = p + 1
         self._put(layer, ring, k, v, pos)  # after the writes read the slots
-        masked, lim = self._mask(pos, lims)
+        masked, lim, _ = self._mask(pos, lims)
         return writes, RowsWindow(ring, masked, lim, min(lims), max(lims))
 
-    def _mask(self, pos: list[int], lims: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-        """_rows_mask's, made once a step (the first layer's) and kept for the others."""
+    def _mask(self, pos: list[int], lims: list[int]) -> tuple:
+        """_rows_mask's, and masked as a CPU kernel reads it ((B, N) numpy, or None off the CPU), made once a step (the
+        first layer's) and kept for the others."""
         key = (tuple(pos), tuple(lims))
         if key not in self._masks:
-            self._masks = {key: self._rows_mask(pos, lims, self.data.device)}  # one step's: the newest only
+            masked, lim = self._rows_mask(pos, lims, self.data.device)
+            flat = masked.view(len(pos), -1).numpy() if masked.device.type == "cpu" else None
+            self._masks = {key: (masked, lim, flat)}  # one step's: the newest only
         return self._masks[key]
 
     def step_one(self, layer: int, p: int) -> tuple[int, torch.Tensor] | None:
         """push_rows' bookkeeping for one sequence's token at p (row row0) where it writes nothing to the store:
-        -> (lim, masked (1, 1, 1, N)), the caller then puts the token in slot p % N itself (a compiled decode
+        -> (lim, masked (1, N) numpy), the caller then puts the token in slot p % N itself (a compiled decode
         layer, kvcli/decode_layer.py); None, and nothing changed, where positions are due in the store (push_rows)."""
         row = self.row0
         a = self._reads_from(layer, row, p)
@@ -178,7 +181,7 @@ class Ring:
         lim = max(a, p - self.size + 1)
         self.held[layer][row] = (max(a, p + 1 - self.size), p + 1)
         self.stored[layer][row] = done
-        return lim, self._mask([p], [lim])[0]
+        return lim, self._mask([p], [lim])[2]
 
     def halves(self, layer: int) -> tuple:
         """A layer's ring as f16 bits (numpy, made once per layer): (K's heads, V's heads (B, H / 2, N, D), both)."""
