@@ -288,10 +288,6 @@ def _cpu_module(name: str):
     return importlib.import_module(f"kvcli.kernels.cpu.{name}")
 
 
-def _numba_ready() -> bool:
-    return _cpu_module("compile").available()
-
-
 def decode_reads(B: int, pos: int | torch.Tensor, recent: Recent | None) -> tuple[np.ndarray, DecodeWindow | None]:
     """What a decode step's row b reads, as the CPU kernels take it: the store below lim[b] ((B,) int64) and the
     unmasked slots of the window (kvcli/kernels/layout.py), as attend_reference splits them."""
@@ -353,13 +349,13 @@ for _entry in (
     Entry(ATTEND, "cuda", _pairs(_ALL_KINDS), "kvcli/kernels/gpu/attention.py (Triton)", attend_triton,
           covers=_triton_covers, ready=_triton_ready, why="one kernel over the codes, prefill and decode", tol=1e-4),
     Entry(ATTEND, "cpu", _pairs(_BLOCK_KINDS), "kvcli/kernels/cpu/attention.py (LLVM vectors)",
-          _cpu_decode("attention"), covers=_decode_covers, ready=_numba_ready,
+          _cpu_decode("attention"), covers=_decode_covers, ready=table.cpu_compiler,
           why="decode: one compiled pass, blocks widened as they are read"),
     Entry(ATTEND, "cpu", _pairs(_BLOCK_KINDS + (Kind.IQ4_NL,)) - _pairs(_BLOCK_KINDS),
           "kvcli/kernels/cpu/attention.py (x86 byte shuffle)", _cpu_decode("attention"), isa=table.X86,
-          covers=_decode_covers, ready=_numba_ready, why="decode: iq4_nl's codebook by a byte shuffle"),
+          covers=_decode_covers, ready=table.cpu_compiler, why="decode: iq4_nl's codebook by a byte shuffle"),
     Entry(ATTEND, "cpu", _pairs(_ROTATED + _TQ), "kvcli/kernels/cpu/attention_rotated.py (LLVM vectors)",
-          _cpu_decode("attention_rotated"), covers=_rotated_covers, ready=_numba_ready,
+          _cpu_decode("attention_rotated"), covers=_rotated_covers, ready=table.cpu_compiler,
           why="decode: the codes read where they lie (tq's unpacked a tile at a time), both rotations as fast "
               "Walsh-Hadamard transforms, keys' turning mean added in the pass"),
     Entry(HIDDEN, "cuda", frozenset(DENSE_KINDS), "kvcli/kernels/gpu/hidden.py (Triton)", attend_hidden_triton,
@@ -403,9 +399,9 @@ def _gpu_blocks(store, y):
 
 for _entry in (
     Entry(QUANTIZE, "cpu", frozenset(_ROTATED), "kvcli/kernels/cpu/quantize.py (numba)", _cpu_hadamard_codes,
-          ready=_numba_ready, why="the scale search block by block, no (grid, blocks, 32) temporaries"),
+          ready=table.cpu_compiler, why="the scale search block by block, no (grid, blocks, 32) temporaries"),
     Entry(QUANTIZE, "cpu", frozenset({Kind.Q8_0}), "kvcli/kernels/cpu/quantize.py q8_0_blocks (numba)",
-          _cpu_q8_0_blocks, ready=_numba_ready, why="one pass where torch's quantizer takes a dozen ops, byte-exact"),
+          _cpu_q8_0_blocks, ready=table.cpu_compiler, why="one pass where torch's quantizer takes a dozen ops, byte-exact"),
     Entry(QUANTIZE, "cuda", frozenset(_ROTATED), "kvcli/kernels/gpu/quantize.py (Triton)", _gpu_hadamard_codes,
           ready=_triton_ready),
     Entry(QUANTIZE, "cuda", frozenset(_TQ), "kvcli/kernels/gpu/quantize.py (Triton)", _gpu_tq_codes, ready=_triton_ready),
@@ -496,9 +492,9 @@ def _cpu_rotated_write(layout, arrays, values, rows, pos):
 
 
 table.register(Entry(WRITE, "cpu", frozenset(DENSE_KINDS), "kvcli/kernels/cpu/quantize.py put_dense (numba)",
-                     _cpu_dense_write, ready=_numba_ready, why="one pass where torch's rounding write takes a dozen ops"))
+                     _cpu_dense_write, ready=table.cpu_compiler, why="one pass where torch's rounding write takes a dozen ops"))
 table.register(Entry(WRITE, "cpu", frozenset(_ROTATED), "kvcli/kernels/cpu/quantize.py put_vectors (numba)",
-                     _cpu_rotated_write, ready=_numba_ready, why="nibbles placed position by position, no tile repacking"))
+                     _cpu_rotated_write, ready=table.cpu_compiler, why="nibbles placed position by position, no tile repacking"))
 table.register(Entry(WRITE, "any", frozenset(), "the store's own writes (torch)", None), reference=True)
 
 

@@ -89,6 +89,14 @@ def has(isa: str) -> bool:
 TRITON_ON = os.environ.get("KVCLI_TRITON", "1") != "0"
 
 
+def cpu_compiler() -> bool:
+    """The CPU kernels' compiler (numba) is there: the `ready` of every compiled CPU entry (imported at the first
+    call, so that the table and the roles' owners load without it)."""
+    from kvcli.kernels.cpu.compile import available
+
+    return available()
+
+
 @dataclass(frozen=True)
 class Entry:
     """One kernel of one role: where it runs, what it reads, what it needs, and the call."""

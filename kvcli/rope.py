@@ -89,15 +89,9 @@ def compiled_on_cpu() -> bool:
     return table.choose(ROPE, "cpu", "float32").run is _rope_numba
 
 
-def _numba_ready() -> bool:
-    from kvcli.kernels.cpu.compile import available
-
-    return available()
-
-
 _ROPES: dict = {}  # (device, dtype) -> the ROPE entry's run, chosen at the first call
 table.register(Entry(ROPE, "cpu", frozenset({"float32"}), "kvcli/kernels/cpu/rope.py (numba, one pass)", _rope_numba,
-                     ready=_numba_ready, why="one call where torch's takes four to six ops, its bits"))
+                     ready=table.cpu_compiler, why="one call where torch's takes four to six ops, its bits"))
 table.register(Entry(ROPE, "any", frozenset(), "kvcli/rope.py: torch ops", _rope_reference), reference=True)
 
 

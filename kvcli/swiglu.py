@@ -37,15 +37,9 @@ def compiled_on_cpu() -> bool:
     return table.choose(SWIGLU, "cpu", "float32").run is _swiglu_numba
 
 
-def _numba_ready() -> bool:
-    from kvcli.kernels.cpu.compile import available
-
-    return available()
-
-
 _RUNS: dict = {}  # (device, dtype) -> the SWIGLU entry's run, chosen at the first call
 table.register(Entry(SWIGLU, "cpu", frozenset({"float32"}), "kvcli/kernels/cpu/swiglu.py (numba, one pass)",
-                     _swiglu_numba, ready=_numba_ready, tol=1e-6,
+                     _swiglu_numba, ready=table.cpu_compiler, tol=1e-6,
                      why="one call where torch's takes three ops"))
 table.register(Entry(SWIGLU, "any", frozenset(), "kvcli/swiglu.py: torch's F.silu and a product", _swiglu_reference),
                reference=True)

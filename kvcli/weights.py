@@ -74,7 +74,7 @@ def warm_up(model, rows: int) -> None:
     for load_kernel in loads:
         load_kernel(rows)
     file_types = {f.type for f in forms if isinstance(f, FileBlocks)}
-    if file_types and _numba_ready():
+    if file_types and table.cpu_compiler():
         _cpu_kernel("ggml_rows").warm_up()
         if any(table.choose(PRODUCT, "cpu", "ggml", ggml_type=t).run is _file_blocks_dot for t in file_types):
             _cpu_kernel("ggml_dot").warm_up()
@@ -473,7 +473,7 @@ class FileBlocks:
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (an index tensor of any shape) -> (*ids.shape, K) f32, only those decoded (the embedding)."""
         flat = ids.reshape(-1).numpy().astype(np.int64)
-        if _numba_ready():
+        if table.cpu_compiler():
             out = _cpu_kernel("ggml_rows").dequantize_ids(self.type, self.raw, flat, np.empty((len(flat), self.k),
                                                                                               np.float32))
             return torch.from_numpy(out).view(*ids.shape, self.k)
@@ -869,10 +869,6 @@ def _cpu_kernel(name: str):
     return importlib.import_module(f"kvcli.kernels.cpu.{name}")
 
 
-def _numba_ready() -> bool:
-    return _cpu_kernel("compile").available()
-
-
 def _int4_tiles_ready() -> bool:
     """torch's CPU int4 GEMM is there and packs its tiles as kvcli lays them (int4_tiles.tile_width())."""
     return tile_width() is not None
@@ -880,7 +876,7 @@ def _int4_tiles_ready() -> bool:
 
 def _vnni_ready() -> bool:
     """numba, and tiles the int8-dot kernel reads (T = 32, 64)."""
-    return _int4_tiles_ready() and _numba_ready() and _cpu_kernel("weights").covers(tile_width())
+    return _int4_tiles_ready() and table.cpu_compiler() and _cpu_kernel("weights").covers(tile_width())
 
 
 def _triton_ready() -> bool:
@@ -933,12 +929,12 @@ _file_blocks_numba, _file_blocks_dot = _file_blocks_product("ggml_rows"), _file_
 
 
 def _dot_types() -> tuple[str, ...]:
-    return _cpu_kernel("vectors").DOT_TYPES if _numba_ready() else ()
+    return _cpu_kernel("vectors").DOT_TYPES if table.cpu_compiler() else ()
 
 
 def _tile_types() -> tuple[str, ...]:
     """The types kept as FileTiles: those of ggml_tiles' kernel, where the CPU runs it and the VNNI one does not."""
-    if not _numba_ready() or table.choose(PRODUCT, "cpu", "ggml_tiles").run is not _file_tiles_dot:
+    if not table.cpu_compiler() or table.choose(PRODUCT, "cpu", "ggml_tiles").run is not _file_tiles_dot:
         return ()
     return _cpu_kernel("vectors").TILE_TYPES
 
@@ -1097,29 +1093,29 @@ for _entry in (
           why="the packed codes read as they lie, with no kernel of kvcli's"),
     Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_dot.py (AVX2 byte products, 15-bit "
           "activations) to FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_dot, isa=AVX2,
-          covers=lambda ggml_type=None, **_: ggml_type in _dot_types(), ready=_numba_ready, tol=DOT_TOL,
+          covers=lambda ggml_type=None, **_: ggml_type in _dot_types(), ready=table.cpu_compiler, tol=DOT_TOL,
           why="decode's rows on the codes, 32 a product in byte lanes (the slab kernel widens each to f32)"),
     Entry(PRODUCT, "cpu", frozenset({"ggml_tiles"}), "kvcli/kernels/cpu/ggml_tiles.py (AVX2 byte products, 8 rows "
           "a vector, 15-bit activations) to FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_tiles_dot, isa=AVX2,
-          ready=_numba_ready, tol=DOT_TOL,
+          ready=table.cpu_compiler, tol=DOT_TOL,
           why="decode's rows on the codes with 8 rows' sums in one vector: scales, conversions and sums once for 8"),
     Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors) to "
-          "FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_numba, ready=_numba_ready,
+          "FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_numba, ready=table.cpu_compiler,
           why="the file's blocks decoded a slab of rows at a time, in the core's cache, for every row of x"),
     Entry(ROWS, "cpu", frozenset({"ggml_tiles"}), "kvcli/kernels/cpu/ggml_tiles.py untile, then ggml_rows.py",
-          _tiles_slab, covers=lambda dtype=None, **_: dtype == torch.float32, ready=_numba_ready,
+          _tiles_slab, covers=lambda dtype=None, **_: dtype == torch.float32, ready=table.cpu_compiler,
           why="the tiles' rows put back in the file's order in one pass, then decoded as the file's blocks"),
     Entry(ROWS, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors)", _file_slab,
-          covers=lambda dtype=None, **_: dtype == torch.float32, ready=_numba_ready,
+          covers=lambda dtype=None, **_: dtype == torch.float32, ready=table.cpu_compiler,
           why="one pass over the blocks where gguf-py's numpy takes several"),
     Entry(PRODUCT, "cuda", frozenset({"int4_cuda", "int8_cuda"}),
           "kvcli/kernels/gpu/weights.py (Triton) to KERNEL_ROWS rows, then slabs + GEMM", _blocks_triton,
           ready=_triton_ready, why="decode: each tile of codes decoded once in registers for every row"),
     Entry(ROWS, "cpu", frozenset({"int4"}), "kvcli/kernels/cpu/dequantize.py (numba, one pass to bf16)",
-          _int4_slab_bf16, covers=lambda dtype=None, **_: dtype == torch.bfloat16, ready=_numba_ready,
+          _int4_slab_bf16, covers=lambda dtype=None, **_: dtype == torch.bfloat16, ready=table.cpu_compiler,
           why="one pass where torch takes four, torch's bits"),
     Entry(NORM, "cpu", frozenset({"float32"}), "kvcli/kernels/cpu/norm.py (numba, one pass a row)", _norm_numba,
-          ready=_numba_ready, why="one call where torch's takes several ops (decode's rows: about half torch's time)"),
+          ready=table.cpu_compiler, why="one call where torch's takes several ops (decode's rows: about half torch's time)"),
 ):
     table.register(_entry)
 table.register(Entry(PRODUCT, "any", frozenset(), "kvcli/weights.py: the form's reference_matmul (slabs + torch GEMM)",

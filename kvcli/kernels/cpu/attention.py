@@ -25,12 +25,11 @@ theirs, by the sums' order). Figures: benchmarks/README.md.
 from __future__ import annotations
 
 import math
-import threading
 
 import numpy as np
 import torch
 
-from .compile import FAST, THREADED, VEC, available, jit, jit_reassociating, jit_threaded, numba
+from .compile import FAST, THREADED, VEC, available, jit, jit_reassociating, jit_threaded, numba, numba_threads
 from .vectors import (dense_key_scores1, dense_key_scores2, dense_key_scores3, dense_key_scores4, dense_value_sums1,
                       dense_value_sums2, dense_value_sums3, dense_value_sums4, exp_f32, out_of_line, to_f32)
 from ..layout import DENSE_KINDS, Kind
@@ -335,7 +334,6 @@ _NO_WINDOW = np.zeros((1, 1, 0, 1), np.uint16), np.zeros((1, 0), np.bool_)  # a 
 def no_extra(q: torch.Tensor) -> np.ndarray:
     """extra's stand-in where the scores take nothing: (B, Hkv, G, 0) f32 (one compiled kernel for both)."""
     return np.zeros((*q.shape[:3], 0), np.float32)
-_threads = threading.local()  # the numba thread count set for the calling thread (numba keeps one per thread)
 
 
 def _layout(layout) -> tuple[np.ndarray, np.ndarray]:
@@ -366,15 +364,6 @@ def _window(window) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(kv), np.ascontiguousarray(masked)
 
 
-def _numba_threads(threads: int) -> int:
-    """torch's thread count (-t N > 1) as numba's for the calling thread (numba keeps one per thread), at most numba's
-    own maximum: the count to run in."""
-    threads = min(threads, numba.config.NUMBA_NUM_THREADS)
-    if getattr(_threads, "n", 0) != threads:
-        numba.set_num_threads(threads)
-        _threads.n = threads
-    return threads
-
 
 def attend(q: torch.Tensor, k, v, lim: np.ndarray, window, extra: np.ndarray | None = None) -> torch.Tensor:
     """kvcli/kernels/layout.py's decode signature: q (B, Hkv, G, D) f32, k and v Operands of dense or ggml block
@@ -386,7 +375,7 @@ def attend(q: torch.Tensor, k, v, lim: np.ndarray, window, extra: np.ndarray | N
             lim, out)
     threads = torch.get_num_threads()
     if threads > 1 and THREADED:
-        _attend_threaded(*args, _numba_threads(threads), PARALLEL_MIN)
+        _attend_threaded(*args, numba_threads(threads), PARALLEL_MIN)
     else:
         _attend(*args)
     return torch.from_numpy(out)
@@ -406,7 +395,7 @@ def warm_up(k_layout, v_layout) -> None:
     _attend(*args)
     if THREADED:  # with -t N > 1, its threads started too; at -t 1 loaded on one thread (no pool: its idle
         threads = torch.get_num_threads()  # threads would spin beside torch's)
-        _attend_threaded(*args, _numba_threads(threads), 0 if threads > 1 else 1 << 62)
+        _attend_threaded(*args, numba_threads(threads), 0 if threads > 1 else 1 << 62)
 
 
 _DENSE_DTYPES = {Kind.F32: np.float32, Kind.F16: np.uint16, Kind.BF16: np.int16}

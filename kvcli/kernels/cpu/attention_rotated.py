@@ -34,8 +34,8 @@ import torch
 
 from kvcli.kernels.layout import Kind
 
-from .attention import _numba_threads, no_extra
-from .compile import THREADED, VEC, available, jit, jit_reassociating, jit_threaded, numba
+from .attention import no_extra
+from .compile import THREADED, VEC, available, jit, jit_reassociating, jit_threaded, numba, numba_threads
 from .vectors import (butterfly16, exp_f32, hadamard16, nibble_key_scores1, nibble_key_scores2, nibble_key_scores3,
                       nibble_key_scores4, nibble_value_sums1, nibble_value_sums2, nibble_value_sums3, nibble_value_sums4,
                       out_of_line, table_scores1, table_scores2, table_scores3, table_scores4, to_f32,
@@ -351,7 +351,7 @@ def attend(q: torch.Tensor, k, v, lim: np.ndarray, window, key_mean=None) -> tor
             *formats(k.layout, v.layout), out)
     threads = torch.get_num_threads()
     if threads > 1 and THREADED and B * H > 1:
-        _numba_threads(threads)
+        numba_threads(threads)
         _attend_threaded(*args)
     else:
         _attend(*args)
@@ -378,5 +378,5 @@ def warm_up(k_layout=None, v_layout=None) -> None:
     _attend(*args)
     threads = torch.get_num_threads()
     if THREADED and threads > 1:
-        _numba_threads(threads)
+        numba_threads(threads)
         _attend_threaded(*args)

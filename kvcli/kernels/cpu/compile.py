@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 import platform
 from pathlib import Path
 
@@ -80,6 +81,19 @@ def _openmp() -> bool:
 THREADED = numba is not None and _openmp()
 if THREADED:
     numba.config.THREADING_LAYER = "omp"
+
+_numba_count = threading.local()  # the thread count set for the calling thread (numba keeps one per thread)
+
+
+def numba_threads(threads: int) -> int:
+    """Run the calling thread's parallel regions in `threads` (torch's -t), at most numba's own maximum -> that count.
+    numba's count is per calling thread and its default every core: left alone, a region at -t 1 waits on a thread
+    of a busy core (the server's engine thread and the CLI's each set theirs)."""
+    count = min(threads, numba.config.NUMBA_NUM_THREADS)
+    if getattr(_numba_count, "n", 0) != count:
+        numba.set_num_threads(count)
+        _numba_count.n = count
+    return count
 
 
 # LLVM's fast-math flags less "no infinities" and "no NaNs" (masked scores are -inf) and reassociation

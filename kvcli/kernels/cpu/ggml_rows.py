@@ -13,11 +13,10 @@ Generic LLVM vectors: every CPU LLVM targets runs them (the portable path is the
 """
 from __future__ import annotations
 
-import threading
 
 import numpy as np
 
-from .compile import FAST, THREADED, available, jit, jit_threaded, numba
+from .compile import FAST, THREADED, available, jit, jit_threaded, numba, numba_threads
 
 if numba is not None:
     from .vectors import (dense_key_scores1, dense_key_scores2, dense_key_scores3, dense_key_scores4, to_f32,
@@ -283,19 +282,13 @@ def _dequantize(kind, raw, ids, out, values):
         _decode_row(kind, raw, ids[i], out, i, values)
 
 
-_state = threading.local()
-
-
 def _threads() -> int:
     import torch
 
     threads = torch.get_num_threads()
     if not THREADED:
         return 1
-    count = min(threads, numba.config.NUMBA_NUM_THREADS)  # numba's count is per calling thread, its default every core:
-    if getattr(_state, "threads", 0) != count:  # at -t 1 too, or a prange region waits on a thread of a busy core
-        numba.set_num_threads(count)
-        _state.threads = count
+    numba_threads(threads)  # at -t 1 too, or a prange region waits on a thread of a busy core
     return threads
 
 

@@ -26,7 +26,7 @@ import threading
 import numpy as np
 import torch
 
-from .compile import RNE, THREADED, available, exact_jit, jit, jit_threaded, numba
+from .compile import RNE, THREADED, available, exact_jit, jit, jit_threaded, numba, numba_threads
 from .vectors import BYTE_DOT_CHUNK as CHUNK, BYTE_DOT_GROUP as GROUP
 
 if numba is not None:  # the blocks' LLVM code (vectors.py): AVX512-VNNI byte dot products, VBMI byte permutes
@@ -200,9 +200,7 @@ class Operands:
         y = np.empty((rows, self.n_pad), np.float32)
         threads = torch.get_num_threads()
         if threads > 1 and THREADED:  # -t N: the tiles in N runs at once
-            if getattr(_scratch, "threads", 0) != threads:  # numba's count is per thread (and at most its default)
-                numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-                _scratch.threads = threads
+            numba_threads(threads)
             _THREADED[rows](self.tiles, self.sz, x.numpy(), self.doubled, xq, *limbs, xs, y, threads)
         else:
             _gemv(self.tiles, self.sz, x.numpy(), self.doubled, xq, groups, xs, y)
