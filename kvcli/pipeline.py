@@ -12,6 +12,11 @@ Every rank checks before loading that all were started with the same model file 
 dtype and split, and says which rank differs. The step traffic has a timeout (a rank that dies or stops answering
 ends the others within it, in one line naming the rank); rank 0 sends an idle header every few seconds while it
 waits for input (a chat), so the others' wait for the next step never runs into the timeout.
+
+The server's steps (`launch_step`, a SLOTS header and a table of (slot, position, tokens) per segment) run the step's
+segments of every slot as one batch on each stage, each rank over its own slots' caches. Rank 0 sends without waiting
+(isend) and lands a step when its logits are back, so with more than one step in flight (the engine's micro-batches:
+kvcli/serve/engine.py) the stages work on different steps at once.
 """
 
 from __future__ import annotations
@@ -32,8 +37,8 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOAD_TIMEOUT_S = 900  # every rank loads (numba's first compile included) before the first step
 STEP_TIMEOUT_S = 30  # a step's send, receive or header: past it, the rank waited on is taken as gone
 IDLE_EVERY_S = 5  # rank 0's idle header while it waits for input
-STOP, FORWARD, IDLE = 0, 1, 2  # header ops
-HEADER = 6  # op, B, T, pos, last_only, from_row (int64)
+STOP, FORWARD, IDLE, SLOTS = 0, 1, 2, 3  # header ops
+HEADER = 6  # op, B, T, pos, last_only, from_row (int64); SLOTS: op, segments, tokens, 0, 0, 0
 
 
 @dataclass(frozen=True)
@@ -119,9 +124,11 @@ def join(n_layers: int, layer_split: str | None, facts: dict, device: str = "cpu
     return stage, Pipe(stage, steps, device)
 
 
-def start(path, layer_split: str | None, spec, ctx_size: int, dtype: str, weights: str, device: str):
-    """A command's --pipeline: join the job with the facts every rank must share -> ((Stage, Pipe), log), log the
-    command's logger, prefixed with the rank on every rank but the first (theirs go to stderr beside rank 0's)."""
+def start(path, layer_split: str | None, spec, ctx_size: int, dtype: str, weights: str, device: str,
+          more: dict | None = None):
+    """A command's --pipeline: join the job with the facts every rank must share (`more`: the command's own, e.g.
+    the server's slots) -> ((Stage, Pipe), log), log the command's logger, prefixed with the rank on every rank but
+    the first (theirs go to stderr beside rank 0's)."""
     from kvcli.commands.common import log
     from kvcli.gguf_file import open_gguf
 
@@ -129,7 +136,7 @@ def start(path, layer_split: str | None, spec, ctx_size: int, dtype: str, weight
     facts = {"model file": f"{os.path.basename(path)} (sha256 {gguf.identity()['sha256'][:12]})",
              "cache": f"{spec.mode} K {spec.type_k} V {spec.type_v} H {spec.type_h} window {spec.window} "
                       f"key bias {spec.key_bias}", "context": ctx_size, "dtype": dtype, "weights": weights,
-             "device": device}
+             "device": device} | (more or {})
     stage, pipe = join(gguf.config.n_layers, layer_split, facts, device)
     say = log if stage.first else (lambda line: log(f"[rank {stage.rank}] {line}"))
     say(f"pipeline: {stage.describe()}")
@@ -161,6 +168,8 @@ class Pipe:
         self.last = time.monotonic()
         self._idle: threading.Thread | None = None
         self.stopped = threading.Event()
+        self.on_lost = None  # rank 0: called with the error when the idle header finds a rank gone (the server's exit)
+        self.slot_caches: list = []  # the server's slots' caches of this stage's layers (kvcli/serve/engine.slot_caches)
 
     def ready(self, model, cache) -> None:
         """Every rank has loaded (the load's long timeout): from here on, steps."""
@@ -199,10 +208,10 @@ class Pipe:
         self._call("sending", to, dist.send, t, to, self.group)
         self.sent_bytes += t.numel() * t.element_size()
 
-    def _recv(self, shape: tuple, frm: int) -> torch.Tensor:
+    def _recv(self, shape: tuple, frm: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         import torch.distributed as dist
 
-        t = torch.empty(shape, dtype=torch.float32, device=self.device)
+        t = torch.empty(shape, dtype=dtype, device=self.device)
         self._call("receiving", frm, dist.recv, t, frm, self.group)
         return t
 
@@ -213,8 +222,10 @@ class Pipe:
                     continue
                 try:
                     self._header([IDLE, 0, 0, 0, 0, 0])
-                except KvcliError:
-                    return  # the next forward reports it
+                except KvcliError as e:
+                    if self.on_lost is not None:
+                        self.on_lost(str(e))
+                    return  # else the next forward reports it
                 self.last = time.monotonic()
 
     @torch.inference_mode()
@@ -236,6 +247,48 @@ class Pipe:
         return logits
 
     @torch.inference_mode()
+    def launch_step(self, ids: list[list[int]], slots: list[int], positions: list[int]):
+        """Rank 0: start a server step over every stage (segment i: the tokens ids[i] of slot slots[i] at
+        positions[i]..) and return at once after its own layers -> land(), which waits for the logits (len(ids),
+        vocab) f32 of each segment's last token. Steps land in the order they were launched."""
+        import torch.distributed as dist
+        from kvcli.serve.slots import stage_step, step_logits
+
+        model, s = self.model, self.stage
+        lengths = [len(t) for t in ids]
+        caches = [self.slot_caches[i] for i in slots]
+        tokens = torch.tensor([[t for seg in ids for t in seg]], dtype=torch.long, device=self.device)  # (1, N)
+        if s.world == 1:
+            logits = step_logits(model, stage_step(model, caches, positions, lengths, model.tok_embd.rows(tokens)),
+                                 lengths)
+            return lambda: logits
+        table = torch.tensor([slots, positions, lengths], dtype=torch.int64).T.contiguous()  # (n, 3)
+        header = torch.tensor([SLOTS, len(ids), tokens.shape[1], 0, 0, 0], dtype=torch.int64)
+        with self.lock:
+            if self.stopped.is_set():
+                raise KvcliError("pipeline: stopped after an earlier failure")
+            sends = []  # (peer, work, tensor kept alive until sent)
+            for r in range(1, s.world):
+                for t in (header, table):
+                    sends.append((r, self._call("sending a step", r, dist.isend, t, r, self.group), t))
+            logits = torch.empty((len(ids), model.c.vocab_size), dtype=torch.float32, device=self.device)
+            back = self._call("receiving", s.world - 1, dist.irecv, logits, s.world - 1, self.group)
+            self.last = time.monotonic()
+        h = stage_step(model, caches, positions, lengths, model.tok_embd.rows(tokens)).contiguous()
+        with self.lock:
+            sends.append((1, self._call("sending", 1, dist.isend, h, 1, self.group), h))
+            self.sent_bytes += h.numel() * h.element_size()
+
+        def land() -> torch.Tensor:
+            for peer, work, _ in sends:
+                self._call("sending a step", peer, work.wait)
+            self._call("receiving", s.world - 1, back.wait)
+            self.last = time.monotonic()
+            return logits
+
+        return land
+
+    @torch.inference_mode()
     def serve(self) -> None:
         """Ranks after the first: run this stage's layers on each step rank 0 starts, until it stops."""
         s, c = self.stage, self.model.c
@@ -245,11 +298,27 @@ class Pipe:
                 return
             if op == IDLE:
                 continue
+            if op == SLOTS:
+                self._serve_step(B, T)
+                continue
             h = self.model.run_blocks(self._recv((B, T, c.n_embd), s.rank - 1), self.cache, pos)
             if s.last:
                 self._send(self.model.head(h, bool(last_only), from_row), 0)
             else:
                 self._send(h, s.rank + 1)
+
+    def _serve_step(self, n: int, N: int) -> None:
+        """A later rank's part of a server step (launch_step): its layers over its slots' caches, then on."""
+        from kvcli.serve.slots import stage_step, step_logits
+
+        s = self.stage
+        slots, positions, lengths = self._recv((n, 3), 0, torch.int64).T.tolist()
+        caches = [self.slot_caches[i] for i in slots]
+        h = stage_step(self.model, caches, positions, lengths, self._recv((1, N, self.model.c.n_embd), s.rank - 1))
+        if s.last:
+            self._send(step_logits(self.model, h, lengths), 0)
+        else:
+            self._send(h, s.rank + 1)
 
     def stop(self) -> None:
         """Rank 0: end every later stage's `serve` (a new model may follow through `ready`); where a rank is gone

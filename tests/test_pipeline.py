@@ -49,7 +49,8 @@ def _ranks(argvs: list[list[str]], **kw) -> list[subprocess.Popen]:
     procs = []
     for rank, argv in enumerate(argvs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(argvs)),
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port, PYTHONPATH=str(TESTS))
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=port,
+                   PYTHONPATH=os.pathsep.join(filter(None, [str(TESTS), os.environ.get("PYTHONPATH")])))
         procs.append(subprocess.Popen([sys.executable, *argv], env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.PIPE, text=True, **kw))
     return procs

@@ -304,8 +304,8 @@ def test_an_idle_engine_prefills_a_burst_together(llm, monkeypatch):
     monkeypatch.setattr(engine_mod, "GATHER_S", 60.0)  # the second submit ends the wait, not the clock
     engine = Engine(llm, 2)
     forwards, done = [], threading.Event()
-    forward = engine._forward
-    monkeypatch.setattr(engine, "_forward", lambda seg: (forwards.append([len(ids) for _, ids in seg]), forward(seg)))
+    launch = engine._launch
+    monkeypatch.setattr(engine, "_launch", lambda seg: (forwards.append([len(ids) for _, ids in seg]), launch(seg))[1])
     ev = {0: [], 1: []}
 
     def emit(key):

@@ -9,8 +9,8 @@ from typing import Optional
 
 import typer
 
-from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt, ThreadsOpt,
-                                   WeightsOpt, WindowOpt, KeyBiasOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device, parse_dtype,
+from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, LayerSplitOpt, ModelArg,
+                                   ModelOpt, PipelineOpt, ThreadsOpt, WeightsOpt, WindowOpt, KeyBiasOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device, parse_dtype,
                                    parse_flash_attn, parse_threads, parse_weights, resolve_model, user_errors)
 from kvcli.errors import KvcliError
 from kvcli.memory import MIB
@@ -34,9 +34,10 @@ def serve_command(
     api_key: Optional[str] = typer.Option(None, "--api-key", help="Require `Authorization: Bearer KEY` "
                                                                   "(/, /health, /v1/health, /models and /v1/models "
                                                                   "stay open)."),
-    cache_ram: int = typer.Option(8192, "-cram", "--cache-ram", help="MiB of host RAM for finished conversations' "
-                                  "caches, in their packed form: a request on any slot starts from the longest prefix "
-                                  "they share with it (llama-server's; -1: no limit, 0: off)."),
+    cache_ram: Optional[int] = typer.Option(None, "-cram", "--cache-ram", help="MiB of host RAM for finished "
+                                            "conversations' caches, in their packed form: a request on any slot starts "
+                                            "from the longest prefix they share with it (llama-server's; -1: no limit, "
+                                            "0: off; default 8192, off with --pipeline)."),
     slot_save_path: Optional[Path] = typer.Option(None, "--slot-save-path", help="Folder for slot files: POST "
                                                   "/slots/{id}?action=save|restore with {\"filename\": NAME} keeps a "
                                                   "slot's cache there (made if absent)."),
@@ -51,6 +52,8 @@ def serve_command(
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
     device: str = typer.Option("cpu", "--device", help="cpu or cuda: where the model and its caches run."),
+    pipeline: bool = PipelineOpt,
+    layer_split: Optional[str] = LayerSplitOpt,
 ):
     """An OpenAI-compatible server (llama-server): /v1/chat/completions, /v1/completions, /v1/models, /health,
     /tokenize, /detokenize, /metrics, /props, /slots (with --slot-save-path: POST /slots/{id}?action=save|restore|
@@ -67,6 +70,15 @@ def serve_command(
             raise KvcliError(f"-b/--batch-size takes 1 or more, not {batch_size}")
         if queue is not None and queue < 0:
             raise KvcliError(f"--queue takes 0 or more, not {queue}")
+        if pipeline and cache_ram not in (None, 0):
+            raise KvcliError("--cache-ram with --pipeline: each rank holds only its layers' cache (a RAM copy of a "
+                             "conversation is not yet kept over the stages); leave it out or give 0")
+        if pipeline and slot_save_path is not None:
+            raise KvcliError("--slot-save-path with --pipeline: each rank holds only its layers' cache (slot files are "
+                             "not yet saved over the stages)")
+        if layer_split is not None and not pipeline:
+            raise KvcliError("--layer-split goes with --pipeline")
+        cache_ram = (0 if pipeline else 8192) if cache_ram is None else cache_ram
         if cache_ram < -1:
             raise KvcliError(f"--cache-ram takes MiB, -1 (no limit) or 0 (off), not {cache_ram}")
         if not 0 <= port <= 65535:
@@ -85,23 +97,36 @@ def serve_command(
             if not os.access(slot_save_path, os.W_OK):
                 raise KvcliError(f"--slot-save-path {slot_save_path}: not writable")
 
+        from kvcli.gguf_file import open_gguf
+
+        total = ctx_size or open_gguf(path).config.context_length
+        if total < parallel * 2:
+            raise KvcliError(f"-c {total} over -np {parallel} slots leaves under 2 tokens per slot")
+        stages, say = None, log
+        if pipeline:  # every rank joins before rank 0 listens: a mismatched rank is refused first
+            from kvcli.pipeline import start as start_pipeline
+
+            stages, say = start_pipeline(path, layer_split, spec, total // parallel, dtype, weights, device,
+                                         {"slots": parallel})
+            if not stages[0].first:  # a later stage: its layers of every step rank 0's engine launches
+                return _later_stage(path, total // parallel, parallel, dtype, spec, batch_size, threads, fa, device,
+                                    weights, stages, say)
+
         from kvcli.serve.app import Server, serve
 
         def load():
-            from kvcli.gguf_file import open_gguf
             from kvcli.llama import Llama
             from kvcli.serve.engine import Engine
 
-            total = ctx_size or open_gguf(path).config.context_length
-            if total < parallel * 2:
-                raise KvcliError(f"-c {total} over -np {parallel} slots leaves under 2 tokens per slot")
             llm = Llama(path, ctx_size=total // parallel, dtype=dtype, cache_type_k=spec.type_k,
                         cache_type_v=spec.type_v, batch_size=batch_size, threads=threads, flash_attn=fa,
                         cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
-                        cache_window=spec.window, cache_key_bias=spec.key_bias)
+                        cache_window=spec.window, cache_key_bias=spec.key_bias, pipeline=stages)
             c = llm.config
             server.n_ctx, server.spec = (total // parallel) * parallel, llm.cache_spec
-            log(f"model: {path.name} ({c.arch}, {c.n_layers} layers, {dtype} compute, {weights} weights, loaded in "
+            layers = f"{c.n_layers} layers" if llm.stage is None else f"{llm.gguf.config.n_layers} layers, " \
+                f"{llm.stage.describe()}"
+            log(f"model: {path.name} ({c.arch}, {layers}, {dtype} compute, {weights} weights, loaded in "
                 f"{llm.load_seconds:.2f} s)")
             warn_known_loss(llm)
             from kvcli.serve.prompt_ram import PromptRam
@@ -110,5 +135,34 @@ def serve_command(
             return Engine(llm, parallel, queue, ram)
 
         server = Server(path.name, ctx_size, parallel, spec, api_key, slot_save_path)
-        code = serve(load, server, host, port, log)
+        try:
+            code = serve(load, server, host, port, log)
+        finally:
+            if stages is not None:  # the later stages' loops end with rank 0's
+                try:
+                    stages[1].stop()
+                finally:
+                    stages[1].close()
     raise typer.Exit(code)
+
+
+def _later_stage(path, n_ctx, parallel, dtype, spec, batch_size, threads, fa, device, weights, stages, say):
+    """A pipeline rank after the first: load its layers and its slots' caches, run its part of every step until rank
+    0 stops, then exit 0 (rank 0 owns the HTTP side)."""
+    from kvcli.llama import Llama
+    from kvcli.serve.engine import slot_caches
+    from kvcli.weights import warm_up as weights_warm_up
+
+    llm = Llama(path, ctx_size=n_ctx, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
+                batch_size=batch_size, threads=threads, flash_attn=fa, cache_mode=spec.mode, cache_type_h=spec.type_h,
+                device=device, weights=weights, cache_window=spec.window, cache_key_bias=spec.key_bias,
+                pipeline=stages)
+    slot_caches(llm, parallel)
+    if device == "cpu":
+        weights_warm_up(llm.model, parallel)  # a step multiplies up to `parallel` decode rows
+    say(f"{llm.stage.describe()}: {parallel} slots of {n_ctx} tokens, serving rank 0's steps")
+    try:
+        llm.pipe.serve()
+    finally:
+        llm.pipe.close()
+    raise typer.Exit(0)

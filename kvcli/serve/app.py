@@ -388,6 +388,9 @@ def serve(load: Callable[[], Engine], server: Server, host: str, port: int, say:
         say(engine.describe())
         say("model loaded; all slots idle")
         engine.run()
+        if engine.fatal is not None:  # a pipeline rank lost: the server cannot answer any more
+            failed.append(engine.fatal)
+            uv.should_exit = True
 
     say(f"listening on http://{host}:{port}" if ":" not in host else f"listening on http://[{host}]:{port}")
     thread = threading.Thread(target=work, name="kvcli-engine", daemon=True)

@@ -8,7 +8,9 @@ One step (llama-server's update_slots) is one forward (Transformer.forward_slots
 slots as one cache: kvcli/serve/slots.py): a token for every decoding slot, then prompt chunks of the
 slots being prefilled, up to -b tokens in all, each segment at its own positions, so the weights are
 read once a step however many slots take part. A new request keeps the prefix its slot's cache shares
-with its prompt.
+with its prompt. Over N pipeline stages (kvcli/pipeline.py) the busy slots are split into up to N
+micro-batches, each a step of its own, launched while the others are in flight, so that every stage
+works on one of them at once.
 
 The loop runs in one thread (torch releases the GIL in its ops); requests arrive through `submit`
 and report back through their `emit` callback, called on the engine thread.
@@ -34,7 +36,7 @@ from kvcli.errors import KvcliError
 from kvcli.sampler import Sampler
 from kvcli.memory import MIB, check_fits
 from kvcli.serve.prompt_ram import PromptRam
-from kvcli.serve.slots import Slots
+from kvcli.serve.slots import stage_step, step_logits
 from kvcli.weights import warm_up as weights_warm_up
 
 GATHER_S = 0.05  # the longest an idle engine waits for a burst's requests being prepared (see Engine.preparing)
@@ -97,6 +99,7 @@ class Slot:
         self.index, self.cache = index, cache
         self.cached: list[int] = []  # the token ids whose positions the cache holds, in order
         self.req: Request | None = None
+        self.flying = False  # in a launched step whose logits are not back (Engine.flights)
 
     def start(self, req: Request, tokenizer) -> None:
         self.req = req
@@ -126,13 +129,18 @@ def slot_caches(llm, n_slots: int) -> list:
     spec = llm.cache_spec
     if n_slots > 1 and has_rows(spec):
         llm.cache = None  # freed before the slots' cache is made: never both at once
+        if llm.pipe is not None:
+            llm.pipe.cache = None
         base = make_cache(llm.config, spec, llm.n_ctx, n_slots, device=llm.device, attention=llm.attention,
                           model=llm.model)
         caches = [base.rows(i, i + 1) for i in range(n_slots)]
         llm.cache = caches[0]
-        return caches
-    return [llm.cache] + [make_cache(llm.config, spec, llm.n_ctx, 1, device=llm.device, attention=llm.attention,
-                                     model=llm.model) for _ in range(n_slots - 1)]
+    else:
+        caches = [llm.cache] + [make_cache(llm.config, spec, llm.n_ctx, 1, device=llm.device,
+                                           attention=llm.attention, model=llm.model) for _ in range(n_slots - 1)]
+    if llm.pipe is not None:  # a pipeline stage: its slots' caches for the server's steps (Pipe.launch_step)
+        llm.pipe.cache, llm.pipe.slot_caches = caches[0], caches
+    return caches
 
 
 class Engine:
@@ -151,6 +159,12 @@ class Engine:
         self.slots = [Slot(i, c) for i, c in enumerate(slot_caches(llm, n_slots))]
         if llm.device == "cpu":
             weights_warm_up(self.model, n_slots)  # a step multiplies up to n_slots decode rows
+        self.pipe = llm.pipe
+        self.depth = 1 if self.pipe is None else self.pipe.stage.world  # steps in flight at once: one a stage
+        self.flights: deque[Flight] = deque()  # launched steps, oldest first
+        self.fatal: str | None = None  # why the engine cannot go on (a pipeline rank lost): the server exits
+        if self.pipe is not None:
+            self.pipe.on_lost = self._lost
         self.queue_size = 4 * n_slots if queue_size is None else queue_size
         self.ram = ram
         self.pending: deque[Request] = deque()
@@ -214,6 +228,8 @@ class Engine:
         return fut
 
     def _run_tasks(self) -> None:
+        if self.flights:  # a task touches the caches: after the steps in flight have landed (step launches none)
+            return
         while True:
             with self.cond:
                 if not self.tasks:
@@ -230,6 +246,11 @@ class Engine:
         with self.cond:
             self.stopping = True
             self.cond.notify()
+
+    def _lost(self, message: str) -> None:
+        """A pipeline rank found gone while idle (Pipe.on_lost, its own thread): the loop ends, the server exits."""
+        self.fatal = message
+        self.stop()
 
     def processing(self) -> int:
         return sum(s.req is not None for s in self.slots)
@@ -267,7 +288,7 @@ class Engine:
         """The loop: assign waiting requests to idle slots, step, until stop()."""
         while True:
             with self.cond:
-                while (not self.stopping and not self.pending and not self.tasks
+                while (not self.stopping and not self.pending and not self.tasks and not self.flights
                        and all(s.req is None for s in self.slots)):
                     self.cond.wait()
                 if self.stopping:
@@ -280,6 +301,12 @@ class Engine:
                 self._assign()
             self.step()
             self._run_tasks()
+        while self.flights and self.fatal is None:  # the stages finish what they were given
+            try:
+                self._land(self.flights.popleft())
+            except Exception:  # noqa: BLE001  (failed below with the rest)
+                break
+        self.flights.clear()
         self._run_tasks()  # what came before the stop still runs (a save's caller waits for it)
         with self.cond:
             waiting, self.pending = list(self.pending), deque()
@@ -307,44 +334,74 @@ class Engine:
             best.start(req, self.tok)
 
     def step(self) -> None:
-        """One forward: a token for every decoding slot, then prompt chunks (slots in order) up to -b tokens."""
+        """Launch steps for the busy slots not in flight (a token for every decoding slot, then prompt chunks, slots
+        in order, up to -b tokens a step) while fewer than `depth` are in flight, then land the oldest."""
         for s in self.slots:
-            if s.req is not None and s.req.cancelled:
+            if s.req is not None and s.req.cancelled and not s.flying:
                 s.req = None  # what the cache holds stays valid: s.cached
         try:
-            segments = [(s, [s.next_token]) for s in self.slots
-                        if s.req is not None and not s.todo and s.next_token is not None]
-            budget = max(1, self.llm.batch_size - len(segments))
-            for s in self.slots:
-                if s.req is not None and s.todo and budget > 0:
-                    segments.append((s, s.todo[:budget]))
-                    budget -= len(segments[-1][1])
-            if segments:
-                self._forward(segments)
+            while len(self.flights) < self.depth and not self.tasks:
+                segments = self._segments(self.depth - len(self.flights))
+                if not segments:
+                    break
+                self.flights.append(self._launch(segments))
+            if self.flights:
+                self._land(self.flights.popleft())
         except Exception as e:  # a failed step fails its requests (their caches forgotten); the server goes on
             if not isinstance(e, KvcliError):
                 log.exception("engine step failed")
+            if self.pipe is not None and self.pipe.stopped.is_set():  # a rank is gone: no step can run again
+                self.fatal = str(e)
+                self.stop()
+            self.flights.clear()
             for s in self.slots:
+                s.flying = False
                 if s.req is not None:
                     s.req.emit(Failed(f"generation failed: {e}"))
                     s.req, s.cached = None, []
 
-    def _forward(self, segments: list[tuple[Slot, list[int]]]) -> None:
+    def _segments(self, launches: int) -> list[tuple[Slot, list[int]]]:
+        """The next step's (slot, tokens): the first of the ready slots (busy, not in flight) in index order, a
+        `launches`-th of them (rounded up) so that the steps still to launch take the rest."""
+        ready = [s for s in self.slots if s.req is not None and not s.flying and not s.req.cancelled
+                 and (s.todo or s.next_token is not None)]
+        ready = ready[: -(-len(ready) // launches)] if ready else []
+        segments = [(s, [s.next_token]) for s in ready if not s.todo]
+        budget = max(1, self.llm.batch_size - len(segments))
+        for s in ready:
+            if s.todo and budget > 0:
+                segments.append((s, s.todo[:budget]))
+                budget -= len(segments[-1][1])
+        return segments
+
+    def _launch(self, segments: list[tuple[Slot, list[int]]]) -> "Flight":
         t0 = time.perf_counter()
-        if len(segments) == 1:  # the plain forward: as fast as `kvcli run`
-            s, ids = segments[0]
-            tokens = torch.tensor([ids], dtype=torch.long, device=self.llm.device)
-            logits = self.model(tokens, s.cache, len(s.cached), last_only=True)[0]
-        else:
-            positions = [len(s.cached) for s, _ in segments]
-            slots = Slots([s.cache for s, _ in segments], positions, [len(ids) for _, ids in segments])
-            logits = self.model.forward_slots([ids for _, ids in segments], slots, positions)
-        logits = logits.cpu()  # (n, V): one copy for every row's sampler (its generator is a CPU one)
-        dt = time.perf_counter() - t0
+        ids, positions = [ids for _, ids in segments], [len(s.cached) for s, _ in segments]
+        for s, _ in segments:
+            s.flying = True
+        if self.pipe is not None:  # over the stages: the logits come back when land() is called
+            return Flight(segments, t0, self.pipe.launch_step(ids, [s.index for s, _ in segments], positions))
+        lengths = [len(t) for t in ids]
+        tokens = torch.tensor([[t for seg in ids for t in seg]], dtype=torch.long, device=self.llm.device)  # (1, N)
+        with torch.inference_mode():
+            h = stage_step(self.model, [s.cache for s, _ in segments], positions, lengths,
+                           self.model.tok_embd.rows(tokens))
+            logits = step_logits(self.model, h, lengths)
+        return Flight(segments, t0, lambda: logits)
+
+    def _land(self, flight: "Flight") -> None:
+        """A launched step's logits back: each slot's token sampled (or its prompt chunk counted)."""
+        logits = flight.land().cpu()  # (n, V): one copy for every row's sampler (its generator is a CPU one)
+        dt = time.perf_counter() - flight.t0
+        segments = flight.segments
         if any(not s.todo for s, _ in segments):
             self.predicted_seconds_total += dt
         for (s, ids), row in zip(segments, logits):
+            s.flying = False
             s.cached += ids
+            if s.req is None or s.req.cancelled:  # cancelled in flight: what the cache holds stays valid
+                s.req = None
+                continue
             if not s.todo:  # decoding
                 s.next_token = None
                 self._take(s, row)
@@ -395,6 +452,14 @@ class Engine:
         s.req, s.next_token = None, None
         if self.ram is not None:
             self.ram.put(s.cache, s.cached)
+
+
+@dataclass
+class Flight:
+    """A launched step: its (slot, tokens) segments, when it started, and land() -> logits (n, V) f32."""
+    segments: list
+    t0: float
+    land: Callable[[], torch.Tensor]
 
 
 def timings(d: Done) -> dict:

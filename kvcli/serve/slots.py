@@ -1,5 +1,6 @@
 """A step's slots as one cache: the server's caches (a sequence each) behind the one cache a forward takes
-(Transformer.forward_slots), so that a step runs every slot's tokens through the weights once."""
+(Transformer.forward_slots), so that a step runs every slot's tokens through the weights once; and one stage's part of
+such a step (stage_step, step_logits), as the server runs it alone or over pipeline stages (kvcli/pipeline.py)."""
 
 from __future__ import annotations
 
@@ -49,3 +50,18 @@ class Slots:
             else:
                 out.append(c.attention(layer, q[:, a : a + n], k[:, a : a + n], v[:, a : a + n], x[:, a : a + n], p))
         return out[0] if len(out) == 1 else torch.cat(out, 1)  # one run (all rows decoding): no copy
+
+
+def stage_step(model, caches: list, positions: list[int], lengths: list[int], h: torch.Tensor) -> torch.Tensor:
+    """One model's (or pipeline stage's) part of a server step: h (1, N, n_embd) f32, segment i of lengths[i] tokens
+    for caches[i] at positions[i].., through its blocks. One segment: the plain forward (as fast as `kvcli run`)."""
+    if len(caches) == 1:
+        return model.run_blocks(h, caches[0], positions[0])
+    return model.run_slot_blocks(h, Slots(caches, positions, lengths), positions, lengths)
+
+
+def step_logits(model, h: torch.Tensor, lengths: list[int]) -> torch.Tensor:
+    """The last stage's head over stage_step's h -> logits (len(lengths), vocab) f32 of each segment's last token."""
+    if len(lengths) == 1:
+        return model.head(h, last_only=True)[0]
+    return model.slots_head(h, lengths)
