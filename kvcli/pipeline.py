@@ -169,6 +169,7 @@ class Pipe:
         self._idle: threading.Thread | None = None
         self.stopped = threading.Event()
         self.on_lost = None  # rank 0: called with the error when the idle header finds a rank gone (the server's exit)
+        self._sending = None  # a later rank's (peer, isend work, tensor) not yet waited for (_send_on)
         self.slot_caches: list = []  # the server's slots' caches of this stage's layers (kvcli/serve/engine.slot_caches)
 
     def ready(self, model, cache) -> None:
@@ -207,6 +208,22 @@ class Pipe:
         t = t.contiguous()
         self._call("sending", to, dist.send, t, to, self.group)
         self.sent_bytes += t.numel() * t.element_size()
+
+    def _send_on(self, t: torch.Tensor, to: int) -> None:
+        """A later rank's step result on its way (isend): the rank goes on to the next step while it travels; the
+        one before it is waited for first (one in flight, in order)."""
+        import torch.distributed as dist
+
+        self._wait_sent()
+        t = t.contiguous()
+        self._sending = (to, self._call("sending", to, dist.isend, t, to, self.group), t)
+        self.sent_bytes += t.numel() * t.element_size()
+
+    def _wait_sent(self) -> None:
+        if self._sending is not None:
+            to, work, _ = self._sending
+            self._sending = None
+            self._call("sending", to, work.wait)
 
     def _recv(self, shape: tuple, frm: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         import torch.distributed as dist
@@ -295,6 +312,7 @@ class Pipe:
         while True:
             op, B, T, pos, last_only, from_row = self._header()
             if op == STOP:
+                self._wait_sent()
                 return
             if op == IDLE:
                 continue
@@ -316,9 +334,9 @@ class Pipe:
         caches = [self.slot_caches[i] for i in slots]
         h = stage_step(self.model, caches, positions, lengths, self._recv((1, N, self.model.c.n_embd), s.rank - 1))
         if s.last:
-            self._send(step_logits(self.model, h, lengths), 0)
+            self._send_on(step_logits(self.model, h, lengths), 0)
         else:
-            self._send(h, s.rank + 1)
+            self._send_on(h, s.rank + 1)
 
     def stop(self) -> None:
         """Rank 0: end every later stage's `serve` (a new model may follow through `ready`); where a rank is gone

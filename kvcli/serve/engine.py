@@ -341,7 +341,7 @@ class Engine:
                 s.req = None  # what the cache holds stays valid: s.cached
         try:
             while len(self.flights) < self.depth and not self.tasks:
-                segments = self._segments(self.depth - len(self.flights))
+                segments = self._segments()
                 if not segments:
                     break
                 self.flights.append(self._launch(segments))
@@ -360,12 +360,12 @@ class Engine:
                     s.req.emit(Failed(f"generation failed: {e}"))
                     s.req, s.cached = None, []
 
-    def _segments(self, launches: int) -> list[tuple[Slot, list[int]]]:
-        """The next step's (slot, tokens): the first of the ready slots (busy, not in flight) in index order, a
-        `launches`-th of them (rounded up) so that the steps still to launch take the rest."""
+    def _segments(self) -> list[tuple[Slot, list[int]]]:
+        """The next step's (slot, tokens): the first of the ready slots (busy, not in flight) in index order, at most
+        a `depth`-th of the busy ones (rounded up), so that the micro-batches in flight stay even in size."""
         ready = [s for s in self.slots if s.req is not None and not s.flying and not s.req.cancelled
                  and (s.todo or s.next_token is not None)]
-        ready = ready[: -(-len(ready) // launches)] if ready else []
+        ready = ready[: -(-sum(s.req is not None for s in self.slots) // self.depth)]
         segments = [(s, [s.next_token]) for s in ready if not s.todo]
         budget = max(1, self.llm.batch_size - len(segments))
         for s in ready:
