@@ -413,16 +413,17 @@ table.register(Entry(QUANTIZE, "any", frozenset(), "the store's quantize_referen
                      lambda store, y: store.quantize_reference(y)), reference=True)
 
 
-def decode_layer_stores(cache):
+def decode_layer_stores(cache, rows: bool = False):
     """Where a compiled decode layer (kvcli/decode_layer.py) may write and read this cache: (views, layouts, q8_0),
     views(cache, layer) the layer's K and V data as attention.py's kernel reads them (1, Hkv, n_ctx, D or row bytes), and
     for q8_0 their bytes as uint8 after them, layouts that kernel's (kfmt, ktab, vfmt, vtab); else None. It may where
     one sequence's decode token is a compiled write (dense: put_dense; q8_0: its compiled quantizer) and this table's
-    CPU kernel over K and V (attention.py's): one sequence (a cache's only one, or a row of it: a server's slot), no
-    window, keys as they come, -fa on, one type for both."""
+    CPU kernel over K and V (attention.py's): one sequence (a cache's only one, or a row of it: a server's slot; rows:
+    any rows of it, a token each, views then given rows views of it), no window, keys as they come, -fa on, one type
+    for both."""
     k, v = getattr(cache, "k", None), getattr(cache, "v", None)
     if (k is None or type(k) is not type(v) or getattr(cache, "window", 1) or cache.key_bias is not None
-            or cache.batch != 1 or not cache.attend.flash or k.device != "cpu"):
+            or (cache.batch != 1 and not rows) or not cache.attend.flash or k.device != "cpu"):
         return None
     lk, lv = k.kernel_layout(), v.kernel_layout()
     dense = lk is not None and lk.kind in DENSE_KINDS and k.writer is _cpu_dense_write

@@ -58,6 +58,18 @@ class DecodeLayer:
             G = c.n_heads // c.n_kv_heads
             self.reads = (*layouts, *kernel._NO_WINDOW, np.zeros((1, c.n_kv_heads, G, 0), np.float32))
             self.kernel = decode_layer.layer_q8_0 if q8_0 else decode_layer.layer
+            self.pos = np.zeros(1, np.int64)  # a single sequence's position, as the kernel takes positions
+
+    def rows(self, h: torch.Tensor, rows, pos: torch.Tensor, rot: torch.Tensor) -> torch.Tensor:
+        """A server step of decode tokens only, token m for row m of `rows` (consecutive rows of the cache this plan
+        is for: KVCache.rows) at position pos[m] ((M,) int64): h (1, M, n_embd), rot (M, D/2) -> (1, M, n_embd), in
+        one call over the stores (plans made with rows=True)."""
+        M = h.shape[1]
+        self.heads[3] = min(self.threads(), self.max_threads)
+        kdat, vdat, *raw = self.views(rows, self.layer)
+        out = self.kernel(h.view(M, -1).numpy(), *self.weights, rot.numpy()[None], self.neox, self.heads, kdat, vdat,
+                          *self.reads, pos.numpy(), self.scale, *raw)
+        return torch.from_numpy(out).view(1, M, -1)
 
     def __call__(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
         """h (1, T, n_embd) f32 at positions pos.. (one sequence's, T = 1 where the plan is for a cache; else any rows
@@ -67,9 +79,10 @@ class DecodeLayer:
         threads = self.heads[3] = min(self.threads(), self.max_threads)
         h1, r = h.view(T, -1).numpy(), rot.numpy()[None]
         if self.views is not None:
+            self.pos[0] = pos
             kdat, vdat, *raw = self.views(cache, self.layer)
-            out = self.kernel(h1, *self.weights, r, self.neox, self.heads, kdat, vdat, *self.reads, pos, self.scale,
-                              *raw)
+            out = self.kernel(h1, *self.weights, r, self.neox, self.heads, kdat, vdat, *self.reads, self.pos,
+                              self.scale, *raw)
             return torch.from_numpy(out).view(1, 1, -1)
         if self.window is not None and pos > 0:  # (a sequence's first token starts its keys' mean: the cache's path)
             reads = self.window(cache, self.layer, pos)
@@ -100,9 +113,10 @@ ROWS = 16  # tokens up to which a batch row runs through the compiled halves: th
 # FILE_GEMV_ROWS), the op-by-op path's for as many rows, so the same bits
 
 
-def plan(block, cache=None) -> DecodeLayer | None:
+def plan(block, cache=None, rows: bool = False) -> DecodeLayer | None:
     """The compiled decode layer of `block` over `cache` (None: over any cache, the two halves only), or None where
-    its tokens run op by op (module docstring)."""
+    its tokens run op by op (module docstring); rows: for DecodeLayer.rows over rows of `cache` (a server's slots),
+    over the stores only."""
     from kvcli.attention import decode_layer_stores, decode_layer_window
 
     if block.qk_norm is not None or not all(_parts(f) for f in block.forms().values()):
@@ -111,5 +125,7 @@ def plan(block, cache=None) -> DecodeLayer | None:
         return None
     if cache is None:
         return DecodeLayer(block, None)
-    stores = decode_layer_stores(cache)
+    stores = decode_layer_stores(cache, rows)
+    if rows:
+        return DecodeLayer(block, stores) if stores is not None else None
     return DecodeLayer(block, stores, decode_layer_window(cache) if stores is None else None)

@@ -56,13 +56,19 @@ class Block(nn.Module):
         self.register_buffer("qk_norm", qk_norm, persistent=False)
         self._plan, self._plan_for = None, None  # decode_plan's, and a weak reference to the cache it is for
         self._halves = None  # decode_plan(None)'s (False: none)
+        self._rows_plan, self._rows_for = None, None  # decode_plan(cache, rows=True)'s, and its cache's weak reference
 
     def forms(self) -> dict:
         return {"wqkv": self.wqkv, "wo": self.wo, "w_gate_up": self.w_gate_up, "w_down": self.w_down}
 
-    def decode_plan(self, cache: Cache | None):
+    def decode_plan(self, cache: Cache | None, rows: bool = False):
         """This block's compiled decode layer over `cache` (kvcli/decode_layer.py) or None, made once per cache; for
-        cache None, its two compiled halves around any cache's attention, made once."""
+        cache None, its two compiled halves around any cache's attention, made once; rows: over rows of `cache`, a
+        server step's decode tokens (DecodeLayer.rows)."""
+        if rows:
+            if self._rows_for is None or self._rows_for() is not cache:
+                self._rows_plan, self._rows_for = decode_layer.plan(self, cache, rows=True), weakref.ref(cache)
+            return self._rows_plan
         if cache is None:
             if self._halves is None:
                 self._halves = decode_layer.plan(self) or False
@@ -75,6 +81,11 @@ class Block(nn.Module):
         c = self.c
         B, T, _ = h.shape  # h: (B, T, n_embd) f32 residual stream
         if B == 1 and T <= decode_layer.ROWS and rot.shape == (T, c.head_dim // 2):  # a few tokens: compiled
+            rows = getattr(cache, "decode_rows", None)  # a server step of decode tokens of a cache's rows (Slots)
+            if rows is not None:
+                run = self.decode_plan(rows[0], rows=True)
+                if run is not None:
+                    return run.rows(h, rows[1], rows[2], rot)
             one = T == 1 and type(pos) is int and pos < getattr(cache, "n_ctx", 0)  # one sequence's decode token
             run = self.decode_plan(cache if one else None)
             if run is not None:

@@ -55,9 +55,9 @@ def _decode_logits(llm: Llama, steps: int = 6) -> list[torch.Tensor]:
 
 def _op_by_op(llm: Llama, monkeypatch) -> None:
     """No compiled layer from here on (the plans made so far forgotten)."""
-    monkeypatch.setattr(kvcli.decode_layer, "plan", lambda block, cache=None: None)
+    monkeypatch.setattr(kvcli.decode_layer, "plan", lambda block, cache=None, rows=False: None)
     for b in llm.model.blocks:
-        b._plan_for, b._halves = None, None
+        b._plan_for, b._halves, b._rows_for = None, None, None
 
 
 def _planned(llm: Llama) -> bool:
@@ -100,12 +100,15 @@ def test_it_steps_aside_for_a_batch():
     assert all(b._plan_for is None or b._plan_for() is not cache for b in llm.model.blocks)  # (the load's scratch's)
 
 
-def test_a_server_step_gives_the_op_by_op_bits(monkeypatch):
-    """Slots' steps (Transformer.forward_slots): three prompts in one step of 15 tokens, then a decode token each, run
-    through the compiled halves around Slots' attention: the op-by-op logits."""
+@pytest.mark.parametrize("cache,threads", [("f16", 1), ("q8_0", 2)])
+def test_a_server_step_gives_the_op_by_op_bits(monkeypatch, cache, threads):
+    """Slots' steps (Transformer.forward_slots): three prompts in one step of 15 tokens through the compiled halves
+    around Slots' attention, then a decode token each in one call over the rows (DecodeLayer.rows): the op-by-op
+    logits."""
     from kvcli.serve.slots import Slots
 
-    llm = Llama(DATA / "tiny-Q4_K_M.gguf", ctx_size=64, threads=1, n_seq=3)
+    llm = Llama(DATA / "tiny-Q4_K_M.gguf", ctx_size=64, threads=threads, n_seq=3, cache_type_k=cache,
+                cache_type_v=cache)
     prompts = [PROMPT, PROMPT[:3], PROMPT[2:]]
 
     def steps() -> list[torch.Tensor]:
@@ -118,6 +121,7 @@ def test_a_server_step_gives_the_op_by_op_bits(monkeypatch):
     fused = steps()
     if not all(b._halves for b in llm.model.blocks):
         pytest.skip("the compiled layer does not apply on this machine (no AVX2 tiles)")
+    assert all(b._rows_plan is not None for b in llm.model.blocks)  # the decode step: one call a layer
     _op_by_op(llm, monkeypatch)
     for a, b in zip(fused, steps()):
         assert torch.equal(a, b)

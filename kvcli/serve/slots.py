@@ -28,6 +28,10 @@ class Slots:
                 self.runs.append((c, p, a, n))
             a += n
         self._close(group)
+        # a step of decode tokens only, of consecutive rows of one cache: (that cache, the rows' view, their positions
+        # (k,) int64), for the compiled decode layer's one call (kvcli/decode_layer.py DecodeLayer.rows); else None
+        c, p, _, _ = self.runs[0]
+        self.decode_rows = (c.base, c, p) if len(self.runs) == 1 and torch.is_tensor(p) else None
 
     def _close(self, group: list[tuple]) -> None:
         if len(group) == 1:

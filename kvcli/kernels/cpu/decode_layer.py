@@ -79,30 +79,33 @@ def back(h, o, ffn_norm, eps, kinds, wo, wgu, wdown, threads):
 @jit
 def _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra,
           pos, scale):
-    """Attention over the stores through position pos (written), then `back` -> the block's output (1, n_embd)."""
+    """Attention of each token m (sequence m of the stores) through its position pos[m] (written), then `back` -> the
+    block's output (M, n_embd)."""
     H, Hkv, D, threads = heads[0], heads[1], heads[2], heads[3]
-    qm = q4[0, 0, :H].copy().reshape(1, Hkv, H // Hkv, D)
+    M = q4.shape[1]
+    qm = q4[0, :, :H].copy().reshape(M, Hkv, H // Hkv, D)
     out = np.empty_like(qm)
-    lim = np.full(1, pos + 1, np.int64)
+    lim = pos + 1
     if threads > 1:
         _attend_threaded(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, lim, out, threads,
                          PARALLEL_MIN)
     else:
         _attend(qm, scale, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask, extra, lim, out)
-    return back(h, out.reshape(1, H * D), ffn_norm, eps, kinds, wo, wgu, wdown, threads)
+    return back(h, out.reshape(M, H * D), ffn_norm, eps, kinds, wo, wgu, wdown, threads)
 
 
 @jit
 def layer(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt, ktab,
           vfmt, vtab, wkv, wmask, extra, pos, scale):
-    """h (1, n_embd) f32, the residual stream at position pos -> the block's output (1, n_embd), over dense stores.
-    The four matrices (qkv, o, gate/up, down) as _stacked takes them, kinds (4, PARTS) their parts' TILE_TYPES
-    indices; bqkv (H + 2 Hkv) D or 0 elements; rot (1, 1, D/2) complex64; heads (H, Hkv, D, threads); kdat, vdat (1,
-    Hkv, n_ctx, D) the layer's stores, kfmt .. vtab their layouts and wkv, wmask, extra attention's empty window and
-    extra (kvcli/kernels/cpu/attention.py)."""
+    """h (M, n_embd) f32, the residual stream of M sequences' decode tokens, sequence m's at position pos[m] ((M,)
+    int64; M = 1: one sequence, or a server step's rows) -> the block's output (M, n_embd), over dense stores. The four
+    matrices (qkv, o, gate/up, down) as _stacked takes them, kinds (4, PARTS) their parts' TILE_TYPES indices; bqkv
+    (H + 2 Hkv) D or 0 elements; rot (1, M, D/2) complex64; heads (H, Hkv, D, threads); kdat, vdat (M, Hkv, n_ctx, D)
+    the layer's stores, kfmt .. vtab their layouts and wkv, wmask, extra attention's empty window and extra
+    (kvcli/kernels/cpu/attention.py)."""
     H, Hkv = heads[0], heads[1]
     x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
-    _put_dense(kdat, q4[0, :, H : H + Hkv], vdat, q4[0, :, H + Hkv :], np.zeros(1, np.int64), np.full(1, pos, np.int64))
+    _put_dense(kdat, q4[0, :, H : H + Hkv], vdat, q4[0, :, H + Hkv :], np.arange(h.shape[0]), pos)
     return _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask,
                  extra, pos, scale)
 
@@ -110,12 +113,16 @@ def layer(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, n
 @jit
 def layer_q8_0(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt,
                ktab, vfmt, vtab, wkv, wmask, extra, pos, scale, kraw, vraw):
-    """`layer` over q8_0 stores: k and v quantized into kraw, vraw (1, Hkv, n_ctx, row bytes) uint8 at pos (the bytes
-    kdat, vdat read as int8) as the store's compiled quantizer makes them."""
+    """`layer` over q8_0 stores: k and v quantized into kraw, vraw (M, Hkv, n_ctx, row bytes) uint8 at pos[m] (the
+    bytes kdat, vdat read as int8) as the store's compiled quantizer makes them."""
     H, Hkv = heads[0], heads[1]
     x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
-    _q8_0_blocks(q4[:, :, H : H + Hkv], kraw[:, :, pos : pos + 1])
-    _q8_0_blocks(q4[:, :, H + Hkv :], vraw[:, :, pos : pos + 1])
+    for m in range(h.shape[0]):
+        p = pos[m]
+        if not (0 <= p < kraw.shape[2] and p < vraw.shape[2] and m < kraw.shape[0] and m < vraw.shape[0]):
+            raise IndexError("a q8_0 write outside its store")  # no bounds checks in compiled code
+        _q8_0_blocks(q4[:, m : m + 1, H : H + Hkv], kraw[m : m + 1, :, p : p + 1])
+        _q8_0_blocks(q4[:, m : m + 1, H + Hkv :], vraw[m : m + 1, :, p : p + 1])
     return _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask,
                  extra, pos, scale)
 
