@@ -129,9 +129,20 @@ def test_greedy_text_through_kvcli_run(default_model):
 def test_a_killed_rank_ends_the_run_in_one_line(default_model):
     procs = _ranks([_run_argv(default_model, "-p", "the", "-n", 100000, "-c", 100000, "--ignore-eos", "--pipeline",
                               "--no-display-prompt")] * 2)
-    try:
-        ready, _, _ = select.select([procs[0].stdout], [], [], 300)  # rank 0 is writing tokens
+
+    def writing() -> None:
+        ready, _, _ = select.select([procs[0].stdout], [], [], 300)
         assert ready and os.read(procs[0].stdout.fileno(), 100), "no tokens from rank 0"
+
+    took, error = kill_rank_1(procs, writing)
+    print(f"rank 0 ended {took:.2f} s after rank 1 was killed: {error}")
+
+
+def kill_rank_1(procs: list[subprocess.Popen], first) -> tuple[float, str]:
+    """Once first() returns, SIGKILL rank 1: rank 0 must end within 30 s with one error line naming it, no traceback
+    -> (seconds, line). Every rank is killed on the way out."""
+    try:
+        first()
         procs[1].send_signal(signal.SIGKILL)
         t0 = time.monotonic()
         _, err = procs[0].communicate(timeout=30)
@@ -142,7 +153,7 @@ def test_a_killed_rank_ends_the_run_in_one_line(default_model):
     errors = [line for line in err.splitlines() if line.startswith("error:")]
     assert procs[0].returncode == 1 and len(errors) == 1 and "rank 1" in errors[0], err[-2000:]
     assert "Traceback" not in err and took < 30
-    print(f"rank 0 ended {took:.2f} s after rank 1 was killed: {errors[0]}")
+    return took, errors[0]
 
 
 def test_a_mismatched_rank_is_refused_before_the_first_token(model4, tmp_path):
