@@ -85,10 +85,12 @@ def test_two_stages_serve_the_single_process_text(default_model):
     assert [c["text"] for c in staged] == [c["text"] for c in alone]
 
 
-def test_three_stages_serve_the_single_process_logprobs(model4):
-    """f32 weights and cache, 3 stages split 1,2,1 and 3 slots for 4 requests: each token's log-probabilities (and
-    its top 3) within 1e-6 of the single process's."""
-    flags = ("-np", 3, "-c", 384, "--weights", "f32", "--dtype", "f32", "-ctk", "f32", "-ctv", "f32")
+@pytest.mark.parametrize("cache", [("-ctk", "f32", "-ctv", "f32"), ("--cache-mode", "hidden", "-cth", "f32")],
+                         ids=["kv f32", "hidden f32"])
+def test_three_stages_serve_the_single_process_logprobs(model4, cache):
+    """f32 weights and cache (K/V: the slots rows of one cache; hidden: a cache each), 3 stages split 1,2,1 and 3 slots
+    for 4 requests: each token's log-probabilities (and its top 3) within 1e-6 of the single process's."""
+    flags = ("-np", 3, "-c", 384, "--weights", "f32", "--dtype", "f32", *cache)
     port = _free_port()
     alone = _served([_serve_argv(model4, port, *flags)], port, 12, logprobs=3)
     port = _free_port()
