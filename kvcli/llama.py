@@ -130,6 +130,7 @@ class Llama:
         self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h,
                                     cache_window, cache_key_bias).resolved(c, self.n_ctx)
         self.stage, self.pipe = pipeline if pipeline is not None else (None, None)
+        self._identity = None  # identity(), made on first use
         if self.stage is not None:  # this stage's layers alone, numbered from 0: its model and its cache
             layers, spec = self.stage.layers, self.cache_spec
             self.cache_spec = replace(spec, type_k=for_layers(spec.type_k, c.n_layers, layers),
@@ -199,14 +200,13 @@ class Llama:
         # what a forward runs: the model, or on a pipeline's first rank every stage through the pipe
         self.run = self.model if self.pipe is None else self.pipe.forward
         if self.pipe is not None:
-            self.pipe.ready(self.model, self.cache)  # every stage loaded
+            self.pipe.ready(self.model, self.cache, self.identity())  # every stage loaded
         self.load_seconds = time.perf_counter() - t0
         if device == "cpu" and self.pipe is None:
             self._warm_decode()  # after the load time is taken, as llama.cpp's warm-up run
         self.log(self.cache.describe())
         self.n_past = 0  # positions filled in the cache (sequence 0 for generation)
         self.held: list[int] = []  # the ids at sequence 0's positions (the first n_past are valid)
-        self._identity = None  # identity(), made on first use
 
     @property
     def tokenizer(self):
@@ -238,18 +238,27 @@ class Llama:
         """The model as a state file names it (kvcli/cache/state.py): the GGUF file's identity, or the --shape."""
         if self._identity is None:
             self._identity = {"shape": self.shape} if self.synthetic else self.gguf.identity()
+            if self.stage is not None:  # a pipeline rank's file holds its layers only
+                self._identity = self._identity | {"stage": self.stage.describe()}
         return self._identity
 
     def save_state(self, path: str | os.PathLike, extra: dict | None = None) -> int:
         """Write sequence 0's cache, its n_past positions and their ids, to a state file (kvcli/cache/state.py);
         extra: more to keep in its header (the chat's messages). Returns the file's bytes."""
-        return state.save(path, self.identity(), self.cache, 0, self.held[: self.n_past], extra)
+        size = state.save(path, self.identity(), self.cache, 0, self.held[: self.n_past], extra)
+        if self.pipe is not None:  # each later rank its own layers', beside it (kvcli/pipeline.py Pipe.state)
+            size += self.pipe.state("save", os.fspath(path), self.held[: self.n_past])
+        return size
 
     def load_state(self, path: str | os.PathLike) -> tuple[list[int], dict]:
         """Read a state file into sequence 0: the next `generate` or `eval` appends after its tokens. Returns its
         token ids and the extra it was saved with. Raises KvcliError (the cache as it was) for a file of another
         model or cache, another format version, or a damaged one."""
         tokens, extra = state.load(path, self.identity(), self.cache, 0, self.config.vocab_size)
+        self.loaded_bytes = os.path.getsize(path)  # the file's bytes (over stages: every rank's)
+        if self.pipe is not None:  # the later ranks' files of the same tokens (a refusal ends the run)
+            self.n_past, self.held = 0, []
+            self.loaded_bytes += self.pipe.state("load", os.fspath(path), tokens)
         self.n_past, self.held = len(tokens), list(tokens)
         return tokens, extra
 

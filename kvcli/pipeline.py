@@ -13,6 +13,9 @@ dtype and split, and says which rank differs. The step traffic has a timeout (a 
 ends the others within it, in one line naming the rank); rank 0 sends an idle header every few seconds while it
 waits for input (a chat), so the others' wait for the next step never runs into the timeout.
 
+A state file (--prompt-cache) over the stages is one file a rank, each of its own layers' cache: rank 0's at the path,
+rank r's beside it at path.rank<r> (on its own machine), all of the same tokens, each naming its stage (`state`).
+
 The server's steps (`launch_step`, a SLOTS header and a table of (slot, position, tokens) per segment) run the step's
 segments of every slot as one batch on each stage, each rank over its own slots' caches. Rank 0 sends without waiting
 (isend) and lands a step when its logits are back, so with more than one step in flight (the engine's micro-batches:
@@ -22,6 +25,7 @@ kvcli/serve/engine.py) the stages work on different steps at once.
 from __future__ import annotations
 
 import atexit
+import json
 import os
 import re
 import threading
@@ -37,7 +41,7 @@ TORCHRUN_ENV = ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 LOAD_TIMEOUT_S = 900  # every rank loads (numba's first compile included) before the first step
 STEP_TIMEOUT_S = 30  # a step's send, receive or header: past it, the rank waited on is taken as gone
 IDLE_EVERY_S = 5  # rank 0's idle header while it waits for input
-STOP, FORWARD, IDLE, SLOTS = 0, 1, 2, 3  # header ops
+STOP, FORWARD, IDLE, SLOTS, STATE = 0, 1, 2, 3, 4  # header ops
 HEADER = 6  # op, B, T, pos, last_only, from_row (int64); SLOTS: op, segments, tokens, 0, 0, 0
 
 
@@ -172,11 +176,12 @@ class Pipe:
         self._sending = None  # a later rank's (peer, isend work, tensor) not yet waited for (_send_on)
         self.slot_caches: list = []  # the server's slots' caches of this stage's layers (kvcli/serve/engine.slot_caches)
 
-    def ready(self, model, cache) -> None:
-        """Every rank has loaded (the load's long timeout): from here on, steps."""
+    def ready(self, model, cache, identity: dict | None = None) -> None:
+        """Every rank has loaded (the load's long timeout): from here on, steps. identity: the model's as this rank's
+        state files name it (Llama.identity: its stage's)."""
         import torch.distributed as dist
 
-        self.model, self.cache = model, cache
+        self.model, self.cache, self.identity = model, cache, identity
         dist.barrier()
         if self.stage.first and self.stage.world > 1 and self._idle is None:
             self._idle = threading.Thread(target=self._keep_alive, name="kvcli-pipeline-idle", daemon=True)
@@ -231,6 +236,50 @@ class Pipe:
         t = torch.empty(shape, dtype=dtype, device=self.device)
         self._call("receiving", frm, dist.recv, t, frm, self.group)
         return t
+
+    def _send_json(self, obj, to: int) -> None:
+        data = torch.frombuffer(bytearray(json.dumps(obj).encode()), dtype=torch.uint8)
+        self._send(torch.tensor([data.numel()], dtype=torch.int64), to)
+        self._send(data, to)
+
+    def _recv_json(self, frm: int):
+        n = int(self._recv((1,), frm, torch.int64)[0])
+        return json.loads(bytes(self._recv((n,), frm, torch.uint8).numpy()))
+
+    def state(self, action: str, path: str, tokens: list[int]) -> int:
+        """Rank 0: every later rank saves ("save") its layers' cache of sequence 0 holding `tokens` to path.rank<r>, or
+        loads ("load") it from there, where its file must hold the same tokens -> the bytes of their files. A rank
+        that cannot: KvcliError naming it (after a refused load the run cannot go on: the ranks' caches differ)."""
+        total = 0
+        with self.lock:
+            self._header([STATE, 0, 0, 0, 0, 0])
+            for r in range(1, self.stage.world):
+                self._send_json({"action": action, "path": path, "tokens": tokens}, r)
+            for r in range(1, self.stage.world):
+                reply = self._recv_json(r)
+                if "error" in reply:
+                    raise KvcliError(f"pipeline: rank {r}: {reply['error']}")
+                total += reply["bytes"]
+            self.last = time.monotonic()
+        return total
+
+    def _serve_state(self) -> None:
+        """A later rank's part of `state`: its own file, then a reply (the error's line where it cannot)."""
+        from kvcli.cache import state
+
+        req, mine = self._recv_json(0), None
+        path = f"{req['path']}.rank{self.stage.rank}"
+        try:
+            if req["action"] == "save":
+                reply = {"bytes": state.save(path, self.identity, self.cache, 0, req["tokens"])}
+            else:
+                mine, _ = state.load(path, self.identity, self.cache, 0, self.model.c.vocab_size)
+                if mine != req["tokens"]:
+                    raise KvcliError(f"state file {path} holds other tokens than rank 0's file (saved apart)")
+                reply = {"bytes": os.path.getsize(path)}
+        except KvcliError as e:
+            reply = {"error": str(e)}
+        self._send_json(reply, 0)
 
     def _keep_alive(self) -> None:
         while not self.stopped.wait(IDLE_EVERY_S / 2):
@@ -318,6 +367,9 @@ class Pipe:
                 continue
             if op == SLOTS:
                 self._serve_step(B, T)
+                continue
+            if op == STATE:
+                self._serve_state()
                 continue
             h = self.model.run_blocks(self._recv((B, T, c.n_embd), s.rank - 1), self.cache, pos)
             if s.last:

@@ -34,8 +34,7 @@ class PromptCache:
             self.log(f"prompt cache: {self.path} does not exist yet; it is written after the prompt")
             return [], {}
         tokens, extra = llm.load_state(self.path)
-        self.log(f"prompt cache: {len(tokens)} tokens restored from {self.path} "
-                 f"({self.path.stat().st_size / MIB:.2f} MiB)")
+        self.log(f"prompt cache: {len(tokens)} tokens restored from {self.path} ({llm.loaded_bytes / MIB:.2f} MiB)")
         return tokens, extra
 
     def save(self, llm, extra: dict | None = None) -> None:

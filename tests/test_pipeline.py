@@ -210,3 +210,25 @@ def test_fit_plans_each_rank(model4):
     r = CliRunner().invoke(app, ["fit", "-m", str(model4), "--mem", "300MiB", "--stages", "2", "--layer-split", "3,1"])
     assert r.exit_code == 0, r.output
     assert "rank 0 of 2: layers 0-2, embedding: weights" in r.output and "--pipeline --layer-split 3,1" in r.output
+
+
+def test_prompt_cache_over_stages(model4, tmp_path):
+    """--prompt-cache with --pipeline: a file a rank (rank 1's beside rank 0's), restored by the next run over the same
+    stages (the single process's text); a rank's missing file, or rank 0's file in one process, refused in one line."""
+    f = tmp_path / "p.state"
+    first, longer = "the quick brown fox", "the quick brown fox jumps over the lazy"
+    flags = ("-n", 6, "-c", 256, "--prompt-cache", f, "--pipeline", "--no-display-prompt")
+    results = _finish(_ranks([_run_argv(model4, "-p", first, *flags)] * 2))
+    assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
+    assert f.exists() and (tmp_path / "p.state.rank1").exists()
+    alone = subprocess.run([sys.executable, *_run_argv(model4, "-p", longer, "-n", 6, "-c", 256, "--no-display-prompt")],
+                           capture_output=True, text=True, timeout=300)
+    results = _finish(_ranks([_run_argv(model4, "-p", longer, *flags)] * 2))
+    assert [r[0] for r in results] == [0, 0], [r[2][-2000:] for r in results]
+    assert results[0][1] == alone.stdout and "tokens restored from" in results[0][2]
+    (tmp_path / "p.state.rank1").unlink()
+    results = _finish(_ranks([_run_argv(model4, "-p", longer, *flags)] * 2))
+    errors = [line for line in results[0][2].splitlines() if line.startswith("error:")]
+    assert results[0][0] == 1 and len(errors) == 1 and "rank 1" in errors[0] and "p.state.rank1" in errors[0], \
+        results[0][2][-2000:]
+    assert_clean_error(run("-m", model4, "-p", longer, "-n", 2, "-c", 256, "--prompt-cache", f), "stage")

@@ -99,9 +99,6 @@ def run_command(
         from kvcli.llama import Llama
         from kvcli.pipeline import start as start_pipeline
 
-        if pipeline and cache_file is not None:
-            raise KvcliError("--prompt-cache with --pipeline: each rank holds only its layers' cache (not yet saved "
-                             "together)")
         stages, say = start_pipeline(path, layer_split, spec, ctx_size, dtype, weights, device) if pipeline else (None, log)
         if layer_split is not None and not pipeline:
             raise KvcliError("--layer-split goes with --pipeline")
