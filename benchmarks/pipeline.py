@@ -10,11 +10,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+from serve import free_port  # benchmarks/serve.py (this folder is the script's path)
 
 ROOT = Path(__file__).resolve().parents[1]
 WIKI = ROOT.parent / "shared" / "data" / "wikitext-2-raw" / "wiki.test.raw"
@@ -49,12 +50,6 @@ out["cache_mib"] = llm.cache.nbytes() / 2**20
 print("RESULT " + json.dumps(out), flush=True)
 pipe.close()
 """
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main() -> None:

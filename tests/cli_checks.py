@@ -1,12 +1,20 @@
-"""Shared CLI test helpers: run `kvcli run` in-process and check a clean one-line error."""
+"""Shared CLI test helpers: run `kvcli run` in-process, check a clean one-line error, a free port for a server."""
 
 import signal
+import socket
 
 from typer.testing import CliRunner
 
 from kvcli.cli import app
 
 runner = CliRunner()
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a server or torchrun's rendezvous started next)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def run(*args, **kw):

@@ -13,7 +13,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -22,6 +21,8 @@ import urllib.request
 from pathlib import Path
 
 import pytest
+
+from cli_checks import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGE = ROOT / "kvcli" / "serve" / "chat.html"
@@ -39,12 +40,6 @@ webdriver = pytest.importorskip("selenium.webdriver", reason="needs selenium (pi
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.common.keys import Keys  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def wait_healthy(url: str, proc: subprocess.Popen, log: Path, timeout: float) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import select
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -17,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from cli_checks import assert_clean_error, run
+from cli_checks import assert_clean_error, free_port, run
 from kvcli.errors import KvcliError
 from kvcli.llama import Llama
 from kvcli.pipeline import split
@@ -37,15 +36,9 @@ def model4(tmp_path_factory) -> Path:
                       tmp_path_factory.mktemp("pipe") / "m4.gguf")
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _ranks(argvs: list[list[str]], **kw) -> list[subprocess.Popen]:
     """One process per rank, with torchrun's environment."""
-    port = str(_free_port())
+    port = str(free_port())
     procs = []
     for rank, argv in enumerate(argvs):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(len(argvs)),

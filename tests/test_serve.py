@@ -20,7 +20,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from cli_checks import assert_clean_error, runner
+from cli_checks import assert_clean_error, free_port, runner
 from kvcli.cli import app
 
 openai = pytest.importorskip("openai")
@@ -39,15 +39,9 @@ def _kvcli() -> str:
     return shutil.which("kvcli", path=str(Path(sys.executable).parent)) or "kvcli"
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _start(model: Path, *flags) -> tuple[subprocess.Popen, str]:
     """`kvcli serve` on a free port; returns once /health says ok (bounded), with its base URL."""
-    port = _free_port()
+    port = free_port()
     proc = subprocess.Popen([_kvcli(), "serve", "-m", str(model), "--port", str(port), *map(str, flags)],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     base = f"http://127.0.0.1:{port}"
@@ -401,7 +395,7 @@ def test_serve_help_and_bad_flags(default_model, tmp_path):
     assert_clean_error(runner.invoke(app, ["serve", "-c", "4", "-np", "4"]), "per slot")
     bad = tmp_path / "bad.gguf"
     bad.write_bytes(b"not a model" * 10)  # found only when loading, after the port is open: one line, exit 1
-    assert_clean_error(runner.invoke(app, ["serve", "-m", str(bad), "--port", str(_free_port())]), "not a GGUF")
+    assert_clean_error(runner.invoke(app, ["serve", "-m", str(bad), "--port", str(free_port())]), "not a GGUF")
     with socket.socket() as s:  # a port in use: one line, before the model loads
         s.bind(("127.0.0.1", 0))
         s.listen()

@@ -15,8 +15,8 @@ import time
 import httpx
 import pytest
 
-from cli_checks import app, assert_clean_error, runner
-from test_pipeline import _finish, _free_port, _ranks, kill_rank_1, model4  # noqa: F401  (model4: the fixture)
+from cli_checks import app, assert_clean_error, free_port, runner
+from test_pipeline import _finish, _ranks, kill_rank_1, model4  # noqa: F401  (model4: the fixture)
 
 PROMPTS = ["The capital of France is", "Once upon a time", "def fibonacci(n):", "The three primary colors are"]
 
@@ -76,10 +76,10 @@ def _served(argvs: list[list[str]], port: int, n_tokens: int, logprobs: int | No
 
 def test_two_stages_serve_the_single_process_text(default_model):
     """SmolLM2, 4 slots, 4 requests at once: over 2 stages (micro-batches of 2 slots) the same greedy text."""
-    port = _free_port()
+    port = free_port()
     flags = ("-np", 4, "-c", 2048)
     alone = _served([_serve_argv(default_model, port, *flags)], port, 32)
-    port = _free_port()
+    port = free_port()
     staged = _served([_serve_argv(default_model, port, *flags, "--pipeline")] * 2, port, 32)
     assert all(isinstance(c, dict) for c in alone), alone
     assert [c["text"] for c in staged] == [c["text"] for c in alone]
@@ -91,9 +91,9 @@ def test_three_stages_serve_the_single_process_logprobs(model4, cache):
     """f32 weights and cache (K/V: the slots rows of one cache; hidden: a cache each), 3 stages split 1,2,1 and 3 slots
     for 4 requests: each token's log-probabilities (and its top 3) within 1e-6 of the single process's."""
     flags = ("-np", 3, "-c", 384, "--weights", "f32", "--dtype", "f32", *cache)
-    port = _free_port()
+    port = free_port()
     alone = _served([_serve_argv(model4, port, *flags)], port, 12, logprobs=3)
-    port = _free_port()
+    port = free_port()
     staged = _served([_serve_argv(model4, port, *flags, "--pipeline", "--layer-split", "1,2,1")] * 3, port, 12,
                      logprobs=3)
     for a, s in zip(alone, staged):
@@ -109,7 +109,7 @@ def test_three_stages_serve_the_single_process_logprobs(model4, cache):
 
 @pytest.mark.parametrize("when", ["idle", "decoding"])
 def test_a_killed_rank_ends_the_server_in_one_line(default_model, when):
-    port = _free_port()
+    port = free_port()
     procs = _ranks([_serve_argv(default_model, port, "-np", 2, "--pipeline")] * 2)
 
     def serving() -> None:
@@ -131,8 +131,8 @@ def test_serve_pipeline_flags_are_checked(model4, tmp_path):
     assert_clean_error(serve("--pipeline", "--cache-ram", "100"), "--cache-ram")
     assert_clean_error(serve("--pipeline", "--slot-save-path", tmp_path), "--slot-save-path")
     assert_clean_error(serve("--layer-split", "2,2"), "--pipeline")
-    results = _finish(_ranks([_serve_argv(model4, _free_port(), "--pipeline", "-np", 2, "-c", 1024),
-                              _serve_argv(model4, _free_port(), "--pipeline", "-np", 4, "-c", 2048)]))
+    results = _finish(_ranks([_serve_argv(model4, free_port(), "--pipeline", "-np", 2, "-c", 1024),
+                              _serve_argv(model4, free_port(), "--pipeline", "-np", 4, "-c", 2048)]))
     for code, _, err in results:
         errors = [line for line in err.splitlines() if line.startswith("error:")]
         assert code == 1 and len(errors) == 1 and "rank 1 was started with another slots" in errors[0], err[-2000:]
