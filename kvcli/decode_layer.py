@@ -16,7 +16,6 @@ import numpy as np
 import torch
 
 
-
 def _compiled_parts() -> bool:
     """The choices for norm, RoPE, SwiGLU and the tiles' product are the compiled functions the layer calls."""
     from kvcli import rope, swiglu, weights

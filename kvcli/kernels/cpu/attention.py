@@ -364,7 +364,6 @@ def _window(window) -> tuple[np.ndarray, np.ndarray]:
     return np.ascontiguousarray(kv), np.ascontiguousarray(masked)
 
 
-
 def attend(q: torch.Tensor, k, v, lim: np.ndarray, window, extra: np.ndarray | None = None) -> torch.Tensor:
     """kvcli/kernels/layout.py's decode signature: q (B, Hkv, G, D) f32, k and v Operands of dense or ggml block
     stores, lim (B,) int64, window a DecodeWindow or None, extra None or (B, Hkv, G, P) f32 -> (B, Hkv, G, D) f32.

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import hashlib
 import os
-import threading
 import platform
+import threading
 from pathlib import Path
 
 import numpy as np

@@ -13,7 +13,6 @@ Generic LLVM vectors: every CPU LLVM targets runs them (the portable path is the
 """
 from __future__ import annotations
 
-
 import numpy as np
 
 from .compile import FAST, THREADED, available, jit, jit_threaded, numba, numba_threads
