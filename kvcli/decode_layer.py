@@ -63,11 +63,15 @@ class DecodeLayer:
         """A server step of decode tokens only, token m for row m of `rows` (consecutive rows of the cache this plan
         is for: KVCache.rows) at position pos[m] ((M,) int64): h (1, M, n_embd), rot (M, D/2) -> (1, M, n_embd), in
         one call over the stores (plans made with rows=True)."""
-        M = h.shape[1]
         self.heads[3] = min(self.threads(), self.max_threads)
-        kdat, vdat, *raw = self.views(rows, self.layer)
+        return self._over_stores(h, rows, pos.numpy(), rot)
+
+    def _over_stores(self, h: torch.Tensor, cache, pos: np.ndarray, rot: torch.Tensor) -> torch.Tensor:
+        """The one call over the stores: h (1, M, n_embd), token m at pos[m] of row m of `cache` -> (1, M, n_embd)."""
+        M = h.shape[1]
+        kdat, vdat, *raw = self.views(cache, self.layer)
         out = self.kernel(h.view(M, -1).numpy(), *self.weights, rot.numpy()[None], self.neox, self.heads, kdat, vdat,
-                          *self.reads, pos.numpy(), self.scale, *raw)
+                          *self.reads, pos, self.scale, *raw)
         return torch.from_numpy(out).view(1, M, -1)
 
     def __call__(self, h: torch.Tensor, cache, pos: int, rot: torch.Tensor) -> torch.Tensor:
@@ -76,13 +80,10 @@ class DecodeLayer:
         (1, T, n_embd)."""
         decode_layer, T = self.kernels, h.shape[1]
         threads = self.heads[3] = min(self.threads(), self.max_threads)
-        h1, r = h.view(T, -1).numpy(), rot.numpy()[None]
         if self.views is not None:
             self.pos[0] = pos
-            kdat, vdat, *raw = self.views(cache, self.layer)
-            out = self.kernel(h1, *self.weights, r, self.neox, self.heads, kdat, vdat, *self.reads, self.pos,
-                              self.scale, *raw)
-            return torch.from_numpy(out).view(1, 1, -1)
+            return self._over_stores(h, cache, self.pos, rot)
+        h1, r = h.view(T, -1).numpy(), rot.numpy()[None]
         if self.window is not None and pos > 0:  # (a sequence's first token starts its keys' mean: the cache's path)
             reads = self.window(cache, self.layer, pos)
             if reads is not None:

@@ -174,7 +174,7 @@ class Pipe:
         self.stopped = threading.Event()
         self.on_lost = None  # rank 0: called with the error when the idle header finds a rank gone (the server's exit)
         self._sending = None  # a later rank's (peer, isend work, tensor) not yet waited for (_send_on)
-        self.slot_caches: list = []  # the server's slots' caches of this stage's layers (kvcli/serve/engine.slot_caches)
+        self.slot_caches: list = []  # the server's slots' caches of this stage's layers (serve/engine.py slot_caches)
 
     def ready(self, model, cache, identity: dict | None = None) -> None:
         """Every rank has loaded (the load's long timeout): from here on, steps. identity: the model's as this rank's
@@ -314,20 +314,16 @@ class Pipe:
 
     @torch.inference_mode()
     def launch_step(self, ids: list[list[int]], slots: list[int], positions: list[int]):
-        """Rank 0: start a server step over every stage (segment i: the tokens ids[i] of slot slots[i] at
+        """Rank 0 of two or more: start a server step over every stage (segment i: the tokens ids[i] of slot slots[i] at
         positions[i]..) and return at once after its own layers -> land(), which waits for the logits (len(ids),
         vocab) f32 of each segment's last token. Steps land in the order they were launched."""
         import torch.distributed as dist
-        from kvcli.serve.slots import stage_step, step_logits
+        from kvcli.serve.slots import stage_step, step_tokens
 
         model, s = self.model, self.stage
         lengths = [len(t) for t in ids]
         caches = [self.slot_caches[i] for i in slots]
-        tokens = torch.tensor([[t for seg in ids for t in seg]], dtype=torch.long, device=self.device)  # (1, N)
-        if s.world == 1:
-            logits = step_logits(model, stage_step(model, caches, positions, lengths, model.tok_embd.rows(tokens)),
-                                 lengths)
-            return lambda: logits
+        tokens = step_tokens(ids, self.device)  # (1, N)
         table = torch.tensor([slots, positions, lengths], dtype=torch.int64).T.contiguous()  # (n, 3)
         header = torch.tensor([SLOTS, len(ids), tokens.shape[1], 0, 0, 0], dtype=torch.int64)
         with self.lock:
@@ -399,6 +395,13 @@ class Pipe:
                     self._header([STOP, 0, 0, 0, 0, 0])
                 except KvcliError:
                     pass
+
+    def end(self) -> None:
+        """Rank 0's last word (stop), then leave the job."""
+        try:
+            self.stop()
+        finally:
+            self.close()
 
     def close(self) -> None:
         """Leave the job (every rank, last)."""

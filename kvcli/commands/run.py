@@ -116,10 +116,7 @@ def run_command(
                                reverse_prompt, cache_file, display_prompt)
         finally:
             if llm.pipe is not None:
-                try:
-                    llm.pipe.stop()
-                finally:
-                    llm.pipe.close()
+                llm.pipe.end()
     raise typer.Exit(code)
 
 

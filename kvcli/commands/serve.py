@@ -9,9 +9,10 @@ from typing import Optional
 
 import typer
 
-from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, LayerSplitOpt, ModelArg,
-                                   ModelOpt, PipelineOpt, ThreadsOpt, WeightsOpt, WindowOpt, KeyBiasOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device, parse_dtype,
-                                   parse_flash_attn, parse_threads, parse_weights, resolve_model, user_errors)
+from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, KeyBiasOpt, LayerSplitOpt,
+                                   ModelArg, ModelOpt, PipelineOpt, ThreadsOpt, WeightsOpt, WindowOpt, cache_spec,
+                                   ctx_option, log, parse_device, parse_dtype, parse_flash_attn, parse_threads,
+                                   parse_weights, resolve_model, user_errors, warn_known_loss)
 from kvcli.errors import KvcliError
 from kvcli.memory import MIB
 
@@ -108,20 +109,24 @@ def serve_command(
 
             stages, say = start_pipeline(path, layer_split, spec, total // parallel, dtype, weights, device,
                                          {"slots": parallel})
-            if not stages[0].first:  # a later stage: its layers of every step rank 0's engine launches
-                return _later_stage(path, total // parallel, parallel, dtype, spec, batch_size, threads, fa, device,
-                                    weights, stages, say)
+
+        def new_llm():
+            from kvcli.llama import Llama
+
+            return Llama(path, ctx_size=total // parallel, dtype=dtype, cache_type_k=spec.type_k,
+                         cache_type_v=spec.type_v, batch_size=batch_size, threads=threads, flash_attn=fa,
+                         cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
+                         cache_window=spec.window, cache_key_bias=spec.key_bias, pipeline=stages)
+
+        if stages is not None and not stages[0].first:  # a later stage: its layers of every step rank 0 launches
+            _later_stage(new_llm(), parallel, say)
 
         from kvcli.serve.app import Server, serve
 
         def load():
-            from kvcli.llama import Llama
             from kvcli.serve.engine import Engine
 
-            llm = Llama(path, ctx_size=total // parallel, dtype=dtype, cache_type_k=spec.type_k,
-                        cache_type_v=spec.type_v, batch_size=batch_size, threads=threads, flash_attn=fa,
-                        cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
-                        cache_window=spec.window, cache_key_bias=spec.key_bias, pipeline=stages)
+            llm = new_llm()
             c = llm.config
             server.n_ctx, server.spec = (total // parallel) * parallel, llm.cache_spec
             layers = f"{c.n_layers} layers" if llm.stage is None else f"{llm.gguf.config.n_layers} layers, " \
@@ -139,28 +144,17 @@ def serve_command(
             code = serve(load, server, host, port, log)
         finally:
             if stages is not None:  # the later stages' loops end with rank 0's
-                try:
-                    stages[1].stop()
-                finally:
-                    stages[1].close()
+                stages[1].end()
     raise typer.Exit(code)
 
 
-def _later_stage(path, n_ctx, parallel, dtype, spec, batch_size, threads, fa, device, weights, stages, say):
-    """A pipeline rank after the first: load its layers and its slots' caches, run its part of every step until rank
-    0 stops, then exit 0 (rank 0 owns the HTTP side)."""
-    from kvcli.llama import Llama
+def _later_stage(llm, parallel: int, say) -> None:
+    """A pipeline rank after the first, loaded: its slots' caches, its part of every step until rank 0 stops, then exit
+    0 (rank 0 owns the HTTP side)."""
     from kvcli.serve.engine import slot_caches
-    from kvcli.weights import warm_up as weights_warm_up
 
-    llm = Llama(path, ctx_size=n_ctx, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
-                batch_size=batch_size, threads=threads, flash_attn=fa, cache_mode=spec.mode, cache_type_h=spec.type_h,
-                device=device, weights=weights, cache_window=spec.window, cache_key_bias=spec.key_bias,
-                pipeline=stages)
     slot_caches(llm, parallel)
-    if device == "cpu":
-        weights_warm_up(llm.model, parallel)  # a step multiplies up to `parallel` decode rows
-    say(f"{llm.stage.describe()}: {parallel} slots of {n_ctx} tokens, serving rank 0's steps")
+    say(f"{llm.stage.describe()}: {parallel} slots of {llm.n_ctx} tokens, serving rank 0's steps")
     try:
         llm.pipe.serve()
     finally:

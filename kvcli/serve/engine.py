@@ -36,7 +36,7 @@ from kvcli.errors import KvcliError
 from kvcli.sampler import Sampler
 from kvcli.memory import MIB, check_fits
 from kvcli.serve.prompt_ram import PromptRam
-from kvcli.serve.slots import stage_step, step_logits
+from kvcli.serve.slots import run_step
 from kvcli.weights import warm_up as weights_warm_up
 
 GATHER_S = 0.05  # the longest an idle engine waits for a burst's requests being prepared (see Engine.preparing)
@@ -125,7 +125,7 @@ def slot_caches(llm, n_slots: int) -> list:
     """One one-sequence cache per slot. K/V types with `rows` views (spec.has_rows): the rows of one
     n_slots-sequence cache, which replaces the Llama's own, so a step's decode tokens attend as one batch;
     the hidden-state cache (and a type without them): the Llama's cache (slot 0's) and n_slots - 1 more like
-    it, each attending alone."""
+    it, each attending alone. The product kernels for n_slots decode rows are loaded with them."""
     spec = llm.cache_spec
     if n_slots > 1 and has_rows(spec):
         llm.cache = None  # freed before the slots' cache is made: never both at once
@@ -140,6 +140,8 @@ def slot_caches(llm, n_slots: int) -> list:
                                            attention=llm.attention, model=llm.model) for _ in range(n_slots - 1)]
     if llm.pipe is not None:  # a pipeline stage: its slots' caches for the server's steps (Pipe.launch_step)
         llm.pipe.cache, llm.pipe.slot_caches = caches[0], caches
+    if llm.device == "cpu":
+        weights_warm_up(llm.model, n_slots)  # a step multiplies up to n_slots decode rows
     return caches
 
 
@@ -157,9 +159,8 @@ class Engine:
             check_fits(0, llm.config, llm.cache_spec, llm.n_ctx, n_slots - 1,
                        what=f"{n_slots} slots of {llm.n_ctx} tokens")
         self.slots = [Slot(i, c) for i, c in enumerate(slot_caches(llm, n_slots))]
-        if llm.device == "cpu":
-            weights_warm_up(self.model, n_slots)  # a step multiplies up to n_slots decode rows
-        self.pipe = llm.pipe
+        staged = llm.pipe is not None and llm.pipe.stage.world > 1
+        self.pipe = llm.pipe if staged else None  # over later stages (one stage of one rank: this process's model)
         self.depth = 1 if self.pipe is None else self.pipe.stage.world  # steps in flight at once: one a stage
         self.flights: deque[Flight] = deque()  # launched steps, oldest first
         self.fatal: str | None = None  # why the engine cannot go on (a pipeline rank lost): the server exits
@@ -381,12 +382,7 @@ class Engine:
             s.flying = True
         if self.pipe is not None:  # over the stages: the logits come back when land() is called
             return Flight(segments, t0, self.pipe.launch_step(ids, [s.index for s, _ in segments], positions))
-        lengths = [len(t) for t in ids]
-        tokens = torch.tensor([[t for seg in ids for t in seg]], dtype=torch.long, device=self.llm.device)  # (1, N)
-        with torch.inference_mode():
-            h = stage_step(self.model, [s.cache for s, _ in segments], positions, lengths,
-                           self.model.tok_embd.rows(tokens))
-            logits = step_logits(self.model, h, lengths)
+        logits = run_step(self.model, [s.cache for s, _ in segments], ids, positions)
         return Flight(segments, t0, lambda: logits)
 
     def _land(self, flight: "Flight") -> None:

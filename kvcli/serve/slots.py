@@ -56,6 +56,20 @@ class Slots:
         return out[0] if len(out) == 1 else torch.cat(out, 1)  # one run (all rows decoding): no copy
 
 
+def step_tokens(ids: list[list[int]], device) -> torch.Tensor:
+    """A step's segments' token ids as one batch row: (1, N) long."""
+    return torch.tensor([[t for seg in ids for t in seg]], dtype=torch.long, device=device)
+
+
+@torch.inference_mode()
+def run_step(model, caches: list, ids: list[list[int]], positions: list[int]) -> torch.Tensor:
+    """A server step through the whole model in this process: segment i, the tokens ids[i] for caches[i] at
+    positions[i].. -> logits (len(ids), vocab) f32 of each segment's last token."""
+    lengths = [len(t) for t in ids]
+    h = model.tok_embd.rows(step_tokens(ids, model.rot.device))
+    return step_logits(model, stage_step(model, caches, positions, lengths, h), lengths)
+
+
 def stage_step(model, caches: list, positions: list[int], lengths: list[int], h: torch.Tensor) -> torch.Tensor:
     """One model's (or pipeline stage's) part of a server step: h (1, N, n_embd) f32, segment i of lengths[i] tokens
     for caches[i] at positions[i].., through its blocks. One segment: the plain forward (as fast as `kvcli run`)."""
