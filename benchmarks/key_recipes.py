@@ -15,6 +15,9 @@ write, inverse on read, PyTorch reference attention). Recipes (K only; V keeps t
   prerope+bias  the same with b subtracted before quantizing
   smooth      channel j divided by s_j = (max|k_j| / geomean)^0.5 from the calibration pass (SmoothQuant;
               folded into the query by a kernel); smooth1: exponent 1 (per-channel scale)
+  qscale      channel j divided by s_j = (a_j / b_j)^(1/4), a the keys' variance before RoPE and b the queries' mean
+              square (their K head's group, after RoPE), both averaged over each RoPE pair, from the calibration
+              pass: what kvcli/cache/key_scale.py takes from the weights (--key-scales), from real activations
   outN        the N channels of largest calibrated RMS per layer/head kept in f16 (dense-and-sparse); the RMS
               of the keys as steps 1-2 leave them (mean+outN: of the centred keys)
   l0q8, l0f16, l01q8  keys of layer 0 (layers 0-1) at q8_0 / f16, the rest at the type (a mixed cache)
@@ -40,6 +43,7 @@ import torch
 from kvcli.cache import CacheSpec, resolve_type
 from kvcli.cache.base import Store
 from kvcli.cache.key_recipe import KeyRecipe, KeyRecipeStore
+from kvcli.cache.key_scale import pair_mean
 from kvcli.llama import Llama
 from kvcli.perplexity import balanced_n_seq, make_chunks
 from kvcli.sweep import sweep
@@ -73,15 +77,27 @@ class Recorder(KeyRecipeStore):
 
 
 def calibrate(llm, ids, recipe: KeyRecipe) -> dict:
-    """Key statistics (L, H, D) of one calibration chunk ids (1, n_ctx) in the space `recipe` stores."""
+    """Key statistics (L, H, D) of one calibration chunk ids (1, n_ctx) in the space `recipe` stores, and the
+    queries' mean square per K head's group (qms, (L, Hkv, D), past the sinks)."""
     c = llm.config
-    cache = llm.new_cache(CacheSpec("kv", "f16", "f16", window=0))
+    cache = llm.new_cache(CacheSpec("kv", "f16", "f16", window=0, key_scales="off"))
     rec = Recorder(cache.k, recipe, llm.model.rot, c.rope_neox)
     cache.k = rec
+    q2, nq = torch.zeros(c.n_layers, c.n_kv_heads, c.head_dim), [0] * c.n_layers
+    attend = type(cache).attention
+
+    def recording(self, layer, q, k, v, x, pos):  # q (B, T, H, D) as the block hands it over
+        y = q[:, N_SINK:].float()
+        q2[layer] += y.square().reshape(-1, c.n_kv_heads, c.n_heads // c.n_kv_heads, c.head_dim).sum((0, 2))
+        nq[layer] += y.shape[0] * y.shape[1] * (c.n_heads // c.n_kv_heads)
+        return attend(self, layer, q, k, v, x, pos)
+
+    cache.attention = recording.__get__(cache)
     llm.logits(ids.expand(llm.n_seq, -1), cache=cache)
     n = torch.tensor(rec.n, dtype=torch.float32).view(-1, 1, 1)
     mean = rec.s1 / n
-    return dict(mean=mean, rms=(rec.s2 / n).sqrt(), amax=rec.amax)
+    return dict(mean=mean, rms=(rec.s2 / n).sqrt(), amax=rec.amax,
+                qms=q2 / torch.tensor(nq, dtype=torch.float32).view(-1, 1, 1))
 
 
 def build_recipe(name: str, llm, calib_ids, cache_stats: dict) -> tuple[KeyRecipe, tuple[str, tuple[int, ...]] | None]:
@@ -102,6 +118,14 @@ def build_recipe(name: str, llm, calib_ids, cache_stats: dict) -> tuple[KeyRecip
                               for b in llm.model.blocks]).float()  # (L, Hkv, D)
     smooth = [s for s in steps if s.startswith("smooth")]
     outs = [s for s in steps if s.startswith("out")]
+    if "qscale" in steps:
+        if "pre" not in cache_stats:  # keys before RoPE (their variance), queries after it
+            cache_stats["pre"] = calibrate(llm, calib_ids, KeyRecipe(pre_rope=True))
+        st = cache_stats["pre"]
+        a = pair_mean(st["rms"].square() - st["mean"].square(), c.rope_neox).clamp_min(1e-30)
+        b = pair_mean(st["qms"], c.rope_neox).clamp_min(1e-30)
+        s = (a / b).pow(0.25)
+        r.scale = s / s.log().mean(-1, keepdim=True).exp()
     if "mean" in steps or smooth or outs:
         key = (r.pre_rope, r.bias is not None)
         if key not in cache_stats:  # the statistics of keys as steps 1-2 leave them
@@ -128,17 +152,20 @@ def build_recipe(name: str, llm, calib_ids, cache_stats: dict) -> tuple[KeyRecip
 class Recipes:
     """What kvcli.sweep.sweep asks of a Llama, with new_cache building recipe caches (kept, for their bytes)."""
 
-    def __init__(self, llm, calib_ids):
-        self.llm, self.config, self.calib_ids = llm, llm.config, calib_ids
+    def __init__(self, llm, calib_ids, key_scales: str = "off"):
+        self.llm, self.config, self.calib_ids, self.key_scales = llm, llm.config, calib_ids, key_scales
         self.stats: dict = {}
         self.built: dict = {}
 
     def logits(self, ids, cache=None):
         return self.llm.logits(ids, cache=cache)
 
+    def logit_batches(self, *args, **kwargs):
+        return self.llm.logit_batches(*args, **kwargs)
+
     def new_cache(self, spec: RecipeSpec):
         llm, c = self.llm, self.config
-        cache = llm.new_cache(CacheSpec("kv", spec.type_k, spec.type_v, window=spec.window))
+        cache = llm.new_cache(CacheSpec("kv", spec.type_k, spec.type_v, window=spec.window, key_scales=self.key_scales))
         if spec.recipe != "plain":
             recipe, alt = build_recipe(spec.recipe, llm, self.calib_ids, self.stats)
             alt_store = None
@@ -172,6 +199,8 @@ def main() -> None:
     p.add_argument("--types", default="q8_0,q4_hadamard,tq4,tq3,tq3/tq2",
                    help="K/V cache choices as --sweep takes them (one name: K = V; @N: a window)")
     p.add_argument("--recipes", default="plain,bias,prerope,prerope+bias,smooth,l0q8")
+    p.add_argument("--key-scales", default="off", help="the cache's own --key-scales under every row (off: keys as "
+                   "the recipe leaves them)")
     p.add_argument("--json", default=None)
     a = p.parse_args()
 
@@ -189,7 +218,7 @@ def main() -> None:
     base = CacheSpec("kv", "f16", "f16")
     specs = [RecipeSpec("kv", s.type_k, s.type_v, window=s.window, recipe=r)
              for s in parse_sweep(a.types) for r in a.recipes.split(",")]
-    proxy = Recipes(llm, calib)
+    proxy = Recipes(llm, calib, a.key_scales)
     t0 = time.perf_counter()
     rows = sweep(proxy, inputs, targets, n_seq, specs, base)
     c = llm.config

@@ -19,7 +19,7 @@ import time
 from dataclasses import asdict, dataclass
 
 from kvcli.cache import CacheSpec, resolve_type
-from kvcli.cache.spec import treats_keys
+from kvcli.cache.spec import scaled_keys, treats_keys
 from kvcli.memory import MIB
 
 
@@ -43,6 +43,7 @@ class BenchRow:
     window: int = 0  # the cache's recent window (kvcli/cache/window.py); its bytes are in cache_mib
     model_mib: float = 0.0  # the weights' resident bytes (kvcli.model.Transformer.weight_bytes)
     keys_less_bias: bool = False  # keys stored less their turning mean in some layer (kvcli/cache/key_bias.py)
+    keys_scaled: bool = False  # keys scaled for the queries in some layer (kvcli/cache/key_scale.py)
 
 
 def split_list(value: str) -> list[str]:
@@ -108,6 +109,7 @@ def run_bench(make_llm, model_name: str, tests: list[tuple[str, int]], depths: l
             done.add(llm.cache.window)
             params, weight_mib = n_params(llm) / 1e6, llm.model.weight_bytes() / MIB
             keys_less_bias = bool(treats_keys(llm.config, llm.cache_spec))
+            keys_scaled = bool(scaled_keys(llm.model, llm.cache_spec))
             for depth in depths:
                 for test, n in tests:
                     if n <= 0:
@@ -118,7 +120,7 @@ def run_bench(make_llm, model_name: str, tests: list[tuple[str, int]], depths: l
                     rows.append(BenchRow(model_name, params, backend, threads, mode, tk, tv, th, fa, label, depth,
                                          statistics.mean(speeds), statistics.pstdev(speeds),
                                          llm.cache.nbytes() / MIB, synthetic, llm.cache.window, weight_mib,
-                                         keys_less_bias))
+                                         keys_less_bias, keys_scaled))
                     if progress:
                         progress(rows[-1])
             del llm

@@ -29,7 +29,7 @@ class DecodeLayer:
     types' window and kernel, decode_layer_window, at the steps that put nothing into the stores), else two around
     the cache's own `attention` (a window's flush, other types, the hidden state: any cache)."""
 
-    def __init__(self, block, stores, window=None):
+    def __init__(self, block, stores, window=None, sqk=None):
         from kvcli.kernels.cpu import attention as kernel, decode_layer
         from kvcli.kernels.cpu.decode_layer import PARTS
         from kvcli.kernels.cpu.vectors import TILE_TYPES
@@ -42,9 +42,12 @@ class DecodeLayer:
         norms, eps = (block.attn_norm.numpy(), block.ffn_norm.numpy()), np.float32(c.rms_eps)
         self.layer, self.neox, self.split = block.layer, c.rope_neox, (c.n_heads, c.n_kv_heads, c.n_kv_heads)
         self.heads = np.array([c.n_heads, c.n_kv_heads, c.head_dim, 1], np.int64)  # and the threads (at each call)
-        self.front = (norms[0], eps, kinds, tiles[0], bias)  # `front`'s weights
+        # q and k multipliers where the cache keeps keys scaled (kvcli/cache/key_scale.py), for the calls that write and
+        # read the cache themselves; the halves leave them to the cache's own attention
+        sqk = _NO_SCALES if sqk is None else sqk.float().contiguous().view(-1).numpy()
+        self.front = (norms[0], eps, kinds, tiles[0], bias, _NO_SCALES)  # `front`'s weights
         self.back = (norms[1], eps, kinds, tiles[1], tiles[2], tiles[3])  # `back`'s
-        self.weights = (*norms, eps, kinds, tiles[0], bias, tiles[1], tiles[2], tiles[3])  # `layer`'s
+        self.weights = (*norms, eps, kinds, tiles[0], bias, sqk, tiles[1], tiles[2], tiles[3])  # `layer`'s
         from kvcli.kernels.cpu import ggml_rows
         from kvcli.kernels.cpu.compile import THREADED, numba
 
@@ -98,6 +101,7 @@ class DecodeLayer:
 
 _NO_TILES = np.zeros((0, 8), np.uint8)  # an unused part: no rows (read-only, as the forms' tiles are)
 _NO_TILES.setflags(write=False)
+_NO_SCALES = np.zeros(0, np.float32)  # keys as they come
 
 
 def _parts(form) -> list:
@@ -126,6 +130,7 @@ def plan(block, cache=None, rows: bool = False) -> DecodeLayer | None:
     if cache is None:
         return DecodeLayer(block, None)
     stores = decode_layer_stores(cache, rows)
+    sqk = cache.qk_scales(block.layer) if hasattr(cache, "qk_scales") else None
     if rows:
-        return DecodeLayer(block, stores) if stores is not None else None
-    return DecodeLayer(block, stores, decode_layer_window(cache) if stores is None else None)
+        return DecodeLayer(block, stores, sqk=sqk) if stores is not None else None
+    return DecodeLayer(block, stores, decode_layer_window(cache) if stores is None else None, sqk)

@@ -71,7 +71,8 @@ class Llama:
                  n_seq: int = 1, threads: int | None = None, flash_attn: bool = True,
                  device: str = "cpu", log: Callable[[str], None] | None = None, cache_mode: str = "kv",
                  cache_type_h: str = "f16", shape: str | None = None, weights: str = "native",
-                 cache_window: int | None = None, cache_key_bias: str = "auto", pipeline=None):
+                 cache_window: int | None = None, cache_key_bias: str = "auto", cache_key_scales: str = "auto",
+                 pipeline=None):
         """Load the model and allocate its cache.
 
         model_path: a GGUF file; left out, the default model (SmolLM2-135M-Instruct Q4_1) from the
@@ -88,6 +89,7 @@ class Llama:
             as --cache-window (kvcli/cache/window.py); None: the types' default (0 for llama.cpp's
             types); ignored (0) where every cache type is dense (f32, f16, bf16).
         cache_key_bias: auto, on or off, as --key-bias: keys stored less the model's K bias (kvcli/cache/key_bias.py).
+        cache_key_scales: auto, on or off, as --key-scales: keys scaled for the queries (kvcli/cache/key_scale.py).
         batch_size: tokens per forward pass when prefilling.  n_seq: sequences the cache holds.
         threads: torch CPU threads (None: torch's choice).  flash_attn: the fused attention path.
         device: cpu or cuda.  log: called with each progress line (the cache's size; a fetch's).
@@ -128,7 +130,7 @@ class Llama:
 
         # kv, hidden or auto -> kv / hidden (auto: hidden only where smaller than K+V at these types)
         self.cache_spec = CacheSpec(cache_mode, cache_type_k, cache_type_v, cache_type_h,
-                                    cache_window, cache_key_bias).resolved(c, self.n_ctx)
+                                    cache_window, cache_key_bias, cache_key_scales).resolved(c, self.n_ctx)
         self.stage, self.pipe = pipeline if pipeline is not None else (None, None)
         self._identity = None  # identity(), made on first use
         if self.stage is not None:  # this stage's layers alone, numbered from 0: its model and its cache

@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Callable
 
 from kvcli.cache import STORAGE_TYPES, CacheSpec, cache_bytes
+from kvcli.cache.spec import scaled_keys
 from kvcli.errors import KvcliError
 from kvcli.kld import KldStats, kld_terms
 from kvcli.logprob_base import from_records, record_dtype, to_records
@@ -18,7 +19,7 @@ from kvcli.perplexity import PplStats, chunk_logits, n_scored, score_chunk, toke
 
 
 def parse_sweep(spec: str, window: int | None = None, head_dims: tuple[int, int] | None = None,
-                n_layers: int | None = None, key_bias: str = "auto") -> list[CacheSpec]:
+                n_layers: int | None = None, key_bias: str = "auto", key_scales: str = "auto") -> list[CacheSpec]:
     """"f16/f16,q8_0/q4_0,q8_0,hidden:q4_0,q4_hadamard@16" -> cache choices: K/V pairs (a lone name is
     used for both), hidden-state types after "hidden:", and "all" / "hidden:all" for every registered
     storage type, so new cache types join the sweep. "@N" sets an entry's recent window; without it,
@@ -26,7 +27,7 @@ def parse_sweep(spec: str, window: int | None = None, head_dims: tuple[int, int]
     store head size) once known: "all" leaves out the types whose blocks do not divide them. K/V types may
     differ by layer (`q8_0=0-1+tq3`, kvcli/cache/layers.py); "layers:K/V" is the per-layer sensitivity sweep:
     one choice per layer with that layer alone at K/V and every other at f16 (n_layers, the model's, once
-    known; before, the entry is only checked). key_bias: --key-bias, for every K/V entry."""
+    known; before, the entry is only checked). key_bias, key_scales: --key-bias, --key-scales, for every K/V entry."""
     specs: list[CacheSpec] = []
     per_layer = False  # a layers: entry (no choices until the model's layer count is known)
     for item in spec.split(","):
@@ -57,7 +58,8 @@ def parse_sweep(spec: str, window: int | None = None, head_dims: tuple[int, int]
                 found = CacheSpec("hidden", type_h=name.strip(), window=w)
             else:
                 k, _, v = name.partition("/")
-                found = CacheSpec("kv", k.strip(), (v or k).strip(), window=w, key_bias=key_bias)
+                found = CacheSpec("kv", k.strip(), (v or k).strip(), window=w, key_bias=key_bias,
+                                  key_scales=key_scales)
             if found not in specs:
                 specs.append(found)
     if not specs and not per_layer:
@@ -72,7 +74,8 @@ def row_label(spec: CacheSpec) -> str:
         name = f"hidden:{spec.type_h}"
     else:
         name = spec.type_k if spec.type_k == spec.type_v else f"{spec.type_k}/{spec.type_v}"
-    return name + (f"@{spec.window}" if spec.window else "") + ("" if spec.key_bias == "auto" else f" kb={spec.key_bias}")
+    return (name + (f"@{spec.window}" if spec.window else "") + ("" if spec.key_bias == "auto" else f" kb={spec.key_bias}")
+            + ("" if spec.key_scales == "auto" else f" ks={spec.key_scales}"))
 
 
 def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: CacheSpec,
@@ -131,6 +134,7 @@ def sweep(llm, inputs, targets, n_seq: int, specs: list[CacheSpec], base_spec: C
         rows.append(dict(
             cache=row_label(spec), mode=spec.mode, type_k=spec.type_k if kv else None,
             type_v=spec.type_v if kv else None, type_h=None if kv else spec.type_h, window=spec.window,
+            keys_scaled=len(scaled_keys(getattr(llm, "model", None), spec)),  # layers (kvcli/cache/key_scale.py)
             bits_per_element=spec.bits_per_element(llm.config.n_layers),
             cache_mib=cache_bytes(llm.config, spec, n_ctx) / MIB, cache_mib_32k=cache_bytes(llm.config, spec, 32768) / MIB,
             ppl=s["ppl"], ppl_err=s["ppl_err"], delta_ppl_pct=100 * (s["ppl"] / base_ppl - 1),

@@ -92,6 +92,22 @@ def test_compiled_layer_gives_the_op_by_op_bits(path, cache, threads, monkeypatc
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("cache", ["f16", "tq4"])
+def test_compiled_layer_in_the_scaled_basis(cache, monkeypatch):
+    """Keys scaled for the queries (--key-scales on, kvcli/cache/key_scale.py): the compiled layer scales q and k as the
+    cache's attention does, in one call (f16) and over tq4's window: the op-by-op bits."""
+    llm = Llama(DATA / "tiny-Q4_K_M.gguf", ctx_size=128, threads=1, cache_type_k=cache, cache_type_v=cache,
+                cache_key_scales="on")
+    fused = _decode_logits(llm, steps=70 if cache == "tq4" else 6)
+    if not _planned(llm):
+        pytest.skip("the compiled layer does not apply on this machine (no AVX2 tiles)")
+    assert all(b._plan.weights[6].size == (llm.config.n_heads + llm.config.n_kv_heads) * llm.config.head_dim
+               for b in llm.model.blocks)  # the layer's multipliers handed to the compiled call
+    _op_by_op(llm, monkeypatch)
+    for a, b in zip(fused, _decode_logits(llm, steps=len(fused))):
+        assert torch.equal(a, b)
+
+
 def test_it_steps_aside_for_a_batch():
     llm = Llama(DATA / "tiny-Q4_K_M.gguf", ctx_size=64, threads=1, n_seq=2)
     cache = llm.new_cache(llm.cache_spec)
@@ -100,15 +116,15 @@ def test_it_steps_aside_for_a_batch():
     assert all(b._plan_for is None or b._plan_for() is not cache for b in llm.model.blocks)  # (the load's scratch's)
 
 
-@pytest.mark.parametrize("cache,threads", [("f16", 1), ("q8_0", 2)])
-def test_a_server_step_gives_the_op_by_op_bits(monkeypatch, cache, threads):
+@pytest.mark.parametrize("cache,threads,scales", [("f16", 1, "off"), ("q8_0", 2, "off"), ("f16", 1, "on")])
+def test_a_server_step_gives_the_op_by_op_bits(monkeypatch, cache, threads, scales):
     """Slots' steps (Transformer.forward_slots): three prompts in one step of 15 tokens through the compiled halves
     around Slots' attention, then a decode token each in one call over the rows (DecodeLayer.rows): the op-by-op
-    logits."""
+    logits (keys scaled for the queries too: the rows' call scales q and k as the cache does)."""
     from kvcli.serve.slots import Slots
 
     llm = Llama(DATA / "tiny-Q4_K_M.gguf", ctx_size=64, threads=threads, n_seq=3, cache_type_k=cache,
-                cache_type_v=cache)
+                cache_type_v=cache, cache_key_scales=scales)
     prompts = [PROMPT, PROMPT[:3], PROMPT[2:]]
 
     def steps() -> list[torch.Tensor]:

@@ -228,8 +228,11 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
                  type_k: str = "f16", type_v: str = "f16", device: str = "cpu", *, attention, window: int = 0,
-                 key_bias=None):
+                 key_bias=None, qk_scale: torch.Tensor | None = None):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
+        # keys scaled for the queries (kvcli/cache/key_scale.py): (L, H + Hkv, D) f32 multipliers of the q heads
+        # and K heads, the cache working in that basis; None: as they come
+        self.qk_scale = qk_scale
         # keys stored less their turning mean, q . R(p) m added back on read (kvcli/cache/key_bias.py): each
         # sequence's own m; None: keys as they come
         self.key_bias = None if key_bias is None else key_bias.for_rows(batch)
@@ -333,6 +336,9 @@ class KVCache:
                   pos: int | torch.Tensor) -> torch.Tensor:
         """Store the new K/V (B, T, Hkv, D), then attend q (B, T, H, D) over the cache -> (B, T, H*D).
         pos: as `store`. x, the block's normed input, is unused here (the hidden-state cache stores it instead)."""
+        if self.qk_scale is not None:  # the scaled basis: q * s, k / s (kvcli/cache/key_scale.py)
+            s = self.qk_scale[layer]
+            q, k = q * s[: q.shape[2]], k * s[q.shape[2] :]
         if self.window and k.shape[1] == 1 and not torch.is_tensor(pos) and k.device.type == "cpu":
             pos = self._decode_positions(pos, k.shape[0])
         recent = self.store(layer, k, v, pos)
@@ -364,7 +370,13 @@ class KVCache:
             line += f", window {self.window} (f16): {self.window_nbytes() / MIB:7.2f} MiB"
         if self.key_bias is not None:
             line += ", keys less their mean"
+        if self.qk_scale is not None:
+            line += ", keys scaled for the queries"
         return line
+
+    def qk_scales(self, layer: int) -> torch.Tensor | None:
+        """The (H + Hkv, D) multipliers this cache's layer takes q and k in (kvcli/cache/key_scale.py), or None."""
+        return None if self.qk_scale is None else self.qk_scale[layer]
 
     @staticmethod
     def bytes_needed(n_layers: int, batch: int, kv_dim: int, n_ctx: int, type_k: str, type_v: str,

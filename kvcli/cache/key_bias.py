@@ -57,13 +57,14 @@ class KeyBias:
         self.m1, self.m2 = (mean[..., : D // 2], mean[..., D // 2 :]) if self.neox else (mean[..., 0::2], mean[..., 1::2])
 
     @classmethod
-    def from_model(cls, model, layers: list[int]) -> "KeyBias":
-        """The K bias of `layers` of a Transformer (kvcli/model.py) whose blocks carry one (bqkv), else zeros."""
+    def from_model(cls, model, layers: list[int], k_scale: torch.Tensor | None = None) -> "KeyBias":
+        """The K bias of `layers` of a Transformer (kvcli/model.py) whose blocks carry one (bqkv), else zeros; times
+        k_scale (len(layers), Hkv, D) where the cache keeps keys scaled (kvcli/cache/key_scale.py)."""
         c = model.c
         k0, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
         bias = torch.stack([torch.zeros(kv) if model.blocks[i].bqkv is None else model.blocks[i].bqkv[k0 : k0 + kv]
                             for i in layers]).view(len(layers), c.n_kv_heads, c.head_dim)
-        return cls(bias, model.rot, c.rope_neox)
+        return cls(bias if k_scale is None else bias.float() * k_scale.to(bias.device), model.rot, c.rope_neox)
 
     def for_rows(self, batch: int) -> "KeyBias":
         """This treatment with means of its own for a cache of `batch` sequences."""

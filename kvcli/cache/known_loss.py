@@ -4,8 +4,8 @@ should be told, not find out).
 
 Each row is a measured figure (benchmarks/README.md, "Keys less their turning mean", the commands there:
 `kvcli perplexity -f wiki.test.raw -c 512 --chunks 20 --sweep ...`, PPL change against the f16 cache). A family is
-the architecture, and whether the cache stores keys less their turning mean; rows are found by the choice's K and
-V types, window and key treatment exactly. A choice without a row gets no warning (nothing known).
+the architecture, and whether the cache stores keys less their turning mean and scaled for the queries
+(kvcli/cache/key_scale.py); rows are found by the choice's K and V types, window and key treatment exactly. A choice without a row gets no warning (nothing known).
 """
 
 from __future__ import annotations
@@ -24,6 +24,7 @@ class Loss(NamedTuple):
     ppl_pct: float  # PPL change against the f16 cache, percent
     kld: float  # mean KLD against the f16 cache
     model: str  # where it was measured
+    keys_scaled: bool = False  # keys scaled for the queries (--key-scales)
 
 
 _SMOL, _QWEN = "SmolLM2-135M-Instruct Q4_1", "Qwen2.5-Coder-0.5B-Instruct Q4_K_M"
@@ -57,25 +58,25 @@ KNOWN: tuple[Loss, ...] = (
 )
 
 
-def known_loss(config, spec, keys_less_bias: bool) -> Loss | None:
+def known_loss(config, spec, keys_less_bias: bool, keys_scaled: bool = False) -> Loss | None:
     """The measured row for this model's family and cache choice (a resolved kv CacheSpec), or None."""
     if spec.mode != "kv":
         return None
     family = config.arch
     for row in KNOWN:
-        if (row.family, row.type_k, row.type_v, row.window, row.keys_less_bias) == (
-                family, spec.type_k, spec.type_v, spec.window, keys_less_bias):
+        if (row.family, row.type_k, row.type_v, row.window, row.keys_less_bias, row.keys_scaled) == (
+                family, spec.type_k, spec.type_v, spec.window, keys_less_bias, keys_scaled):
             return row
     return None
 
 
-def loss_warning(config, spec, keys_less_bias: bool) -> str | None:
+def loss_warning(config, spec, keys_less_bias: bool, keys_scaled: bool = False) -> str | None:
     """One line where the choice is known to lose more than WARN_ABOVE percent perplexity on this family."""
-    row = known_loss(config, spec, keys_less_bias)
+    row = known_loss(config, spec, keys_less_bias, keys_scaled)
     if row is None or row.ppl_pct <= WARN_ABOVE:
         return None
     fix = ("; --key-bias on stores keys less their mean" if config.qkv_bias and not keys_less_bias
            and spec.type_k not in ("f16", "f32", "bf16") else "")
     return (f"warning: -ctk {spec.type_k} -ctv {spec.type_v} (window {spec.window}"
-            f"{', keys less their mean' if keys_less_bias else ''}) measured +{row.ppl_pct:g}% "
+            f"{', keys less their mean' if keys_less_bias else ''}{', scaled' if keys_scaled else ''}) measured +{row.ppl_pct:g}% "
             f"perplexity (mean KLD {row.kld:g}) against f16 on {row.model}, a {row.family} model like this one{fix}")

@@ -139,13 +139,16 @@ class LayeredKV:
     its group's cache at its index there. The model, the server and the planner see the Cache protocol."""
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
-                 type_k: str, type_v: str, device: str = "cpu", *, attention, window: int = 0, key_bias=None):
-        """key_bias(layers, type_k) -> a group's KeyBias or None (kvcli/cache/spec.py make_cache); None: no group's."""
+                 type_k: str, type_v: str, device: str = "cpu", *, attention, window: int = 0, key_bias=None,
+                 qk_scale=None):
+        """key_bias(layers, type_k) -> a group's KeyBias or None, qk_scale(layers, type_k) -> its key scales or None
+        (kvcli/cache/spec.py make_cache); None: no group's."""
         self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
         self.type_k, self.type_v = canonical(type_k), canonical(type_v)
         self.parts = [(KVCache(len(layers), batch, n_kv_heads, n_ctx, head_dim, tk, tv, device,
                                attention=attention, window=window_for((tk, tv), window),
-                               key_bias=key_bias(layers, tk) if key_bias else None), layers)
+                               key_bias=key_bias(layers, tk) if key_bias else None,
+                               qk_scale=qk_scale(layers, tk) if qk_scale else None), layers)
                       for (tk, tv), layers in groups(type_k, type_v, n_layers).items()]  # [(KVCache, its layers)]
         self._index()
 
@@ -174,6 +177,10 @@ class LayeredKV:
         cache, j = self.route[layer]
         return cache.store(j, k, v, pos)
 
+    def qk_scales(self, layer: int) -> torch.Tensor | None:
+        cache, j = self.route[layer]
+        return cache.qk_scales(j)
+
     def window_nbytes(self) -> int:
         return sum(cache.window_nbytes() for cache, _ in self.parts)
 
@@ -189,5 +196,6 @@ class LayeredKV:
             line += f", window {self.window} (f16): {self.window_nbytes() / MIB:7.2f} MiB"
         for cache, layers in self.parts:
             line += (f"\n  layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: K {cache.k.name}, V {cache.v.name}, "
-                     f"{cache.nbytes() / MIB:.2f} MiB" + (", keys less their mean" if cache.key_bias else ""))
+                     f"{cache.nbytes() / MIB:.2f} MiB" + (", keys less their mean" if cache.key_bias else "")
+                     + (", keys scaled for the queries" if cache.qk_scale is not None else ""))
         return line

@@ -11,6 +11,7 @@ import torch
 from kvcli.cache import layers
 from kvcli.cache.base import KVCache, resolve_type, window_for
 from kvcli.cache.key_bias import KEY_BIAS, KeyBias, treats
+from kvcli.cache.key_scale import KEY_SCALES, model_scales, scales_keys
 from kvcli.cache.hidden import HiddenCache
 from kvcli.errors import KvcliError
 from kvcli.rope import rope_table
@@ -26,7 +27,9 @@ class CacheSpec:
     hidden it holds the window the cache keeps: 0 where every type is dense (f32, f16, bf16). type_k and type_v
     may differ by layer (kvcli/cache/layers.py: `q8_0=0-1+tq3`); one window then serves every layer whose
     types are not both dense. key_bias: auto, on or off, whether keys are stored less their turning mean (the K
-    bias and the projections' mean, kvcli/cache/key_bias.py; auto: for kvcli's rotated types)."""
+    bias and the projections' mean, kvcli/cache/key_bias.py; auto: for kvcli's rotated types). key_scales: auto, on or
+    off, whether keys are scaled for the queries (kvcli/cache/key_scale.py; auto: rotated types, where the model's
+    weights predict a gain)."""
 
     mode: str = "kv"
     type_k: str = "f16"
@@ -34,12 +37,15 @@ class CacheSpec:
     type_h: str = "f16"
     window: int | None = None
     key_bias: str = "auto"
+    key_scales: str = "auto"
 
     def __post_init__(self):
         if self.mode not in CACHE_MODES:
             raise KvcliError(f"--cache-mode takes kv, hidden or auto, not {self.mode!r}")
         if self.key_bias not in KEY_BIAS:
             raise KvcliError(f"--key-bias takes auto, on or off, not {self.key_bias!r}")
+        if self.key_scales not in KEY_SCALES:
+            raise KvcliError(f"--key-scales takes auto, on or off, not {self.key_scales!r}")
         w = self.window
         if w is not None and (isinstance(w, bool) or not isinstance(w, int) or w < 0):
             raise KvcliError(f"--cache-window takes a count of positions, 0 or more, not {w!r}")
@@ -79,7 +85,7 @@ class CacheSpec:
         """auto -> kv or hidden for this model and context."""
         if self.mode != "auto":
             return self
-        kv, hidden = (CacheSpec(m, self.type_k, self.type_v, self.type_h, self.window, self.key_bias)
+        kv, hidden = (CacheSpec(m, self.type_k, self.type_v, self.type_h, self.window, self.key_bias, self.key_scales)
                       for m in ("kv", "hidden"))
         return hidden if cache_bytes(config, hidden, n_ctx) < cache_bytes(config, kv, n_ctx) else kv
 
@@ -124,22 +130,32 @@ def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str 
         return HiddenCache(c, n_seq, n_ctx, s.type_h, device=device, attention=attention, model=model,
                            window=s.window)
 
+    def qk_scale(layer_ids: list[int], type_k: str) -> torch.Tensor | None:
+        """These layers' key scales (kvcli/cache/key_scale.py), (len(layer_ids), H + Hkv, D) on the device, or None."""
+        if not scales_keys(s.key_scales, resolve_type(type_k), model):
+            return None
+        return model_scales(model)[0][layer_ids].to(device)
+
     def key_bias(layer_ids: list[int], type_k: str) -> KeyBias | None:
         """The treatment of these layers' keys, of type type_k: None where the policy leaves this type's keys as
         they come."""
         if not treats(s.key_bias, resolve_type(type_k)):
             return None
-        if model is not None:
-            return KeyBias.from_model(model, layer_ids)
+        if model is not None:  # the bias in the basis the cache keeps keys in
+            scale = qk_scale(layer_ids, type_k)
+            return KeyBias.from_model(model, layer_ids, None if scale is None else scale[:, -c.n_kv_heads :])
         if getattr(c, "qkv_bias", False):
             raise ValueError("a cache of keys less their mean needs the model (its K bias and RoPE table)")
         return KeyBias(torch.zeros(len(layer_ids), c.n_kv_heads, c.head_dim), rope_table(c, n_ctx), c.rope_neox)
 
     if s.mixed:
         return layers.LayeredKV(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v,
-                                device=device, attention=attention, window=s.window, key_bias=key_bias)
+                                device=device, attention=attention, window=s.window, key_bias=key_bias,
+                                qk_scale=qk_scale)
+    every = list(range(c.n_layers))
     return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
-                   attention=attention, window=s.window, key_bias=key_bias(list(range(c.n_layers)), s.type_k))
+                   attention=attention, window=s.window, key_bias=key_bias(every, s.type_k),
+                   qk_scale=qk_scale(every, s.type_k))
 
 
 def treats_keys(config, spec: CacheSpec) -> list[int]:
@@ -148,6 +164,14 @@ def treats_keys(config, spec: CacheSpec) -> list[int]:
         return []
     return [i for i, t in enumerate(layers.per_layer(spec.type_k, config.n_layers))
             if treats(spec.key_bias, resolve_type(t))]
+
+
+def scaled_keys(model, spec: CacheSpec) -> list[int]:
+    """The layers whose keys a cache of this choice keeps scaled for the queries on this model (make_cache's rule)."""
+    if spec.mode != "kv" or model is None:
+        return []
+    return [i for i, t in enumerate(layers.per_layer(spec.type_k, model.c.n_layers))
+            if scales_keys(spec.key_scales, resolve_type(t), model)]
 
 
 def has_rows(spec: CacheSpec) -> bool:

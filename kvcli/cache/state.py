@@ -108,15 +108,19 @@ def parts(cache, row: int, n: int) -> list[Part]:
 def cache_identity(cache) -> dict:
     """What a restoring cache must share with the saving one: its types, their layouts, the window and key means."""
     if isinstance(cache, HiddenCache):
-        stores, window, means = [cache.h], cache.window, False
+        stores, window, means, scaled = [cache.h], cache.window, False, False
     else:
         groups = cache.parts if isinstance(cache, LayeredKV) else [(cache, None)]
         stores = [s for part, _ in groups for s in (part.k, part.v)]
         window, means = cache.window, any(part.key_bias is not None for part, _ in groups)
-    return {"mode": "hidden" if isinstance(cache, HiddenCache) else "kv",
-            "types": "/".join(s.name for s in stores),  # K/V of each group of layers (x alone for hidden)
-            "tiles": "/".join(str(getattr(s, "tile", "-")) for s in stores),  # the rotated types' tile widths
-            "layers": cache.n_layers, "window": window, "keys less their mean": means}
+        scaled = any(part.qk_scale is not None for part, _ in groups)
+    found = {"mode": "hidden" if isinstance(cache, HiddenCache) else "kv",
+             "types": "/".join(s.name for s in stores),  # K/V of each group of layers (x alone for hidden)
+             "tiles": "/".join(str(getattr(s, "tile", "-")) for s in stores),  # the rotated types' tile widths
+             "layers": cache.n_layers, "window": window, "keys less their mean": means}
+    if scaled:  # the basis keys are kept in (kvcli/cache/key_scale.py); files of caches without keep their identity
+        found["keys scaled for the queries"] = True
+    return found
 
 
 def _bytes(t: torch.Tensor) -> memoryview:

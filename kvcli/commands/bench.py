@@ -26,6 +26,8 @@ def bench_command(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = 
                                                              help="Recent windows (comma list). " + WINDOW_HELP),
                   key_bias: str = typer.Option("auto", "--key-bias", help="auto, on or off, for every row: keys "
                                                "stored less their turning mean (kvcli/cache/key_bias.py)."),
+                  key_scales: str = typer.Option("auto", "--key-scales", help="auto, on or off, for every row: keys "
+                                                 "scaled for the queries (kvcli/cache/key_scale.py)."),
                   flash_attn: str = typer.Option("on", "-fa", "--flash-attn", help="on, off (comma list)."),
                   repetitions: int = typer.Option(3, "-r", "--repetitions"),
                   output: str = typer.Option("md", "-o", "--output", help="md, json or csv."),
@@ -82,7 +84,7 @@ def bench_command(model_arg: Optional[Path] = ModelArg, model: Optional[Path] = 
         def make(ctx, mode, tk, tv, th, fa, window=None):
             return Llama(path, ctx_size=ctx, dtype=dtype, cache_type_k=tk, cache_type_v=tv, cache_mode=mode,
                          cache_type_h=th, flash_attn=fa, device=device, shape=shape, weights=weights,
-                         cache_window=window, cache_key_bias=key_bias)
+                         cache_window=window, cache_key_bias=key_bias, cache_key_scales=key_scales)
 
         combos = combinations(modes, ctks, ctvs, cths, fas)
         backend = "CUDA" if device == "cuda" else "CPU"

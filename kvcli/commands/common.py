@@ -287,27 +287,31 @@ WindowOpt = typer.Option(None, "-cw", "--cache-window", min=0, help=WINDOW_HELP)
 KeyBiasOpt = typer.Option("auto", "--key-bias", help="Store keys less their turning mean R(p)m (m: the K bias plus "
                           "the projections' mean over each sequence's first batch) and add q.R(p)m back on read: "
                           "auto (kvcli's rotated types), on (any quantized K type), off.")
+KeyScalesOpt = typer.Option("auto", "--key-scales", help="Keep keys scaled per channel for the queries that read them "
+                            "(q*s . k/s, s from the model's weights), so a quantized K store errs where queries look "
+                            "least: auto (kvcli's rotated types, where the weights predict a gain), on, off.")
 
 
 def warn_known_loss(llm) -> None:
     """The one-line warning where this cache choice is known to lose more than 1% perplexity on the model's family
     (kvcli/cache/known_loss.py)."""
     from kvcli.cache.known_loss import loss_warning
-    from kvcli.cache.spec import treats_keys
+    from kvcli.cache.spec import scaled_keys, treats_keys
 
-    line = loss_warning(llm.config, llm.cache_spec, bool(treats_keys(llm.config, llm.cache_spec)))
+    spec = llm.cache_spec
+    line = loss_warning(llm.config, spec, bool(treats_keys(llm.config, spec)), bool(scaled_keys(llm.model, spec)))
     if line:
         log(line)
 
 
 def cache_spec(cache_mode: str, type_k: Optional[str], type_v: Optional[str], type_h: Optional[str],
-               window: Optional[int] = None, key_bias: str = "auto") -> "CacheSpec":
+               window: Optional[int] = None, key_bias: str = "auto", key_scales: str = "auto") -> "CacheSpec":
     """The cache flags as one validated choice; unknown type names and ignored flags fail here,
     before any model is loaded. A window given for dense types only is noted and dropped."""
     from kvcli.cache import CacheSpec, validate_cache_flags
 
     validate_cache_flags(cache_mode, type_k is not None, type_v is not None, type_h is not None)
-    spec = CacheSpec(cache_mode, type_k or "f16", type_v or "f16", type_h or "f16", window, key_bias)
+    spec = CacheSpec(cache_mode, type_k or "f16", type_v or "f16", type_h or "f16", window, key_bias, key_scales)
     if window and spec.mode != "auto" and not spec.window:
         log(f"note: --cache-window {window} ignored: {spec.label} is not quantized, so it needs no f16 window")
     return spec

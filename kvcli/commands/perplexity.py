@@ -13,7 +13,7 @@ from typing import Optional
 import typer
 
 from kvcli.commands.common import (CacheModeOpt, CthOpt, LayerSplitOpt, PipelineOpt, CtkOpt, CtvOpt, FlashOpt, ModelArg, WeightsOpt, ModelOpt, ThreadsOpt,
-                                   KeyBiasOpt, WindowOpt, cache_spec,
+                                   KeyBiasOpt, KeyScalesOpt, WindowOpt, cache_spec,
                                    ctx_option, err, log, parse_dtype, parse_flash_attn, parse_threads, parse_weights, read_prompt, resolve_model,
                                    user_errors)
 from kvcli.errors import KvcliError
@@ -68,6 +68,7 @@ def perplexity_command(
     cache_type_h: Optional[str] = CthOpt,
     cache_window: Optional[int] = WindowOpt,
     key_bias: str = KeyBiasOpt,
+    key_scales: str = KeyScalesOpt,
     dtype: str = typer.Option("f32", "--dtype", help="Compute dtype: f32, f16 or bf16 (activations, and matrices "
                                                      "kept dense)."),
     weights: str = WeightsOpt,
@@ -92,10 +93,11 @@ def perplexity_command(
         weights = parse_weights(weights)
         from kvcli.sweep import parse_sweep, plot_sweep, sweep, sweep_table  # imports torch: not for --help
 
-        base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias)
+        base_spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias,
+                               key_scales)
         flash = parse_flash_attn(flash_attn)
         threads = parse_threads(threads)
-        specs = parse_sweep(sweep_spec, cache_window, key_bias=key_bias) if sweep_spec is not None else None
+        specs = parse_sweep(sweep_spec, cache_window, key_bias=key_bias, key_scales=key_scales) if sweep_spec is not None else None
         if kl_divergence and kl_divergence_base is None:
             raise KvcliError("--kl-divergence reads the base from --kl-divergence-base FILE")
         if specs and kl_divergence_base is not None:
@@ -141,7 +143,8 @@ def perplexity_command(
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=base_spec.type_k, cache_type_v=base_spec.type_v,
                     batch_size=min(batch_size, ubatch_size, ctx_size), n_seq=n_seq, threads=threads, flash_attn=flash, log=say,
                     cache_mode=base_spec.mode, cache_type_h=base_spec.type_h, weights=weights,
-                    cache_window=base_spec.window, cache_key_bias=base_spec.key_bias, pipeline=stages)
+                    cache_window=base_spec.window, cache_key_bias=base_spec.key_bias,
+                    cache_key_scales=base_spec.key_scales, pipeline=stages)
         if stages is not None:
             if not stages[0].first:  # a later stage: its layers for rank 0's forwards, then exit 0
                 llm.pipe.serve()
@@ -165,7 +168,7 @@ def perplexity_command(
                 from kvcli.cache.hidden import store_head_dim
 
                 dims = (llm.config.head_dim, store_head_dim(llm.config.n_embd))  # "all": the types this model fits
-                specs = parse_sweep(sweep_spec, cache_window, dims, llm.config.n_layers, key_bias)
+                specs = parse_sweep(sweep_spec, cache_window, dims, llm.config.n_layers, key_bias, key_scales)
                 n_passes = -(-n_chunk // n_seq) * (1 + sum(s != base_spec for s in specs))
                 task = progress.add_task("sweep", total=n_passes)
                 rows = sweep(llm, inputs, targets, n_seq, specs, base_spec, lambda: progress.advance(task))

@@ -8,7 +8,7 @@ from typing import Optional
 import typer
 
 from kvcli.commands.common import (CacheModeOpt, CthOpt, LayerSplitOpt, PipelineOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, ModelArg, ModelOpt,
-                                   ThreadsOpt, WeightsOpt, WindowOpt, KeyBiasOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device,
+                                   ThreadsOpt, WeightsOpt, WindowOpt, KeyBiasOpt, KeyScalesOpt, cache_spec, warn_known_loss, ctx_option, log, parse_device,
                                    parse_dtype, parse_flash_attn, parse_threads, parse_weights, process_escapes,
                                    read_prompt, resolve_model, user_errors)
 from kvcli.errors import KvcliError
@@ -48,6 +48,7 @@ def run_command(
     cache_type_h: Optional[str] = CthOpt,
     cache_window: Optional[int] = WindowOpt,
     key_bias: str = KeyBiasOpt,
+    key_scales: str = KeyScalesOpt,
     flash_attn: str = FlashOpt,
     dtype: str = DtypeOpt,
     weights: str = WeightsOpt,
@@ -67,7 +68,8 @@ def run_command(
     no prompt on a model that has a chat template, or with -cnv (then -p/-f is the system prompt).
     In the chat, Ctrl-C stops a reply, and Ctrl-C at the prompt or Ctrl-D ends it."""
     with user_errors():
-        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias)  # fail before loading
+        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias,
+                          key_scales)  # fail before loading
         threads = parse_threads(threads)
         fa = parse_flash_attn(flash_attn)
         device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
@@ -105,7 +107,8 @@ def run_command(
         llm = Llama(path, ctx_size=ctx_size, dtype=dtype, cache_type_k=spec.type_k, cache_type_v=spec.type_v,
                     batch_size=batch_size, threads=threads, flash_attn=fa, log=say,
                     cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
-                    cache_window=spec.window, cache_key_bias=spec.key_bias, pipeline=stages)
+                    cache_window=spec.window, cache_key_bias=spec.key_bias,
+                    cache_key_scales=spec.key_scales, pipeline=stages)
         if stages is not None and not stages[0].first:  # a later stage: its layers for rank 0's steps, then exit 0
             llm.pipe.serve()
             llm.pipe.close()

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, KeyBiasOpt, LayerSplitOpt,
+from kvcli.commands.common import (CacheModeOpt, CthOpt, CtkOpt, CtvOpt, DtypeOpt, FlashOpt, KeyBiasOpt, KeyScalesOpt, LayerSplitOpt,
                                    ModelArg, ModelOpt, PipelineOpt, ThreadsOpt, WeightsOpt, WindowOpt, cache_spec,
                                    ctx_option, log, parse_device, parse_dtype, parse_flash_attn, parse_threads,
                                    parse_weights, resolve_model, user_errors, warn_known_loss)
@@ -48,6 +48,7 @@ def serve_command(
     cache_type_h: Optional[str] = CthOpt,
     cache_window: Optional[int] = WindowOpt,
     key_bias: str = KeyBiasOpt,
+    key_scales: str = KeyScalesOpt,
     flash_attn: str = FlashOpt,
     threads: Optional[int] = ThreadsOpt,
     dtype: str = DtypeOpt,
@@ -60,7 +61,8 @@ def serve_command(
     /tokenize, /detokenize, /metrics, /props, /slots (with --slot-save-path: POST /slots/{id}?action=save|restore|
     erase) and a chat page at /. The -np slots decode together, one batched step at a time; SIGINT/SIGTERM stop it."""
     with user_errors():
-        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias)  # fail before loading
+        spec = cache_spec(cache_mode, cache_type_k, cache_type_v, cache_type_h, cache_window, key_bias,
+                          key_scales)  # fail before loading
         fa = parse_flash_attn(flash_attn)
         device, dtype, weights = parse_device(device), parse_dtype(dtype), parse_weights(weights)
         if ctx_size < 0:
@@ -116,7 +118,8 @@ def serve_command(
             return Llama(path, ctx_size=total // parallel, dtype=dtype, cache_type_k=spec.type_k,
                          cache_type_v=spec.type_v, batch_size=batch_size, threads=threads, flash_attn=fa,
                          cache_mode=spec.mode, cache_type_h=spec.type_h, device=device, weights=weights,
-                         cache_window=spec.window, cache_key_bias=spec.key_bias, pipeline=stages)
+                         cache_window=spec.window, cache_key_bias=spec.key_bias,
+                    cache_key_scales=spec.key_scales, pipeline=stages)
 
         if stages is not None and not stages[0].first:  # a later stage: its layers of every step rank 0 launches
             _later_stage(new_llm(), parallel, say)

@@ -54,9 +54,10 @@ def _stacked(kinds, parts, x, threads):
 
 
 @jit
-def front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads):
+def front(h, attn_norm, eps, kinds, wqkv, bqkv, sqk, rot, neox, heads):
     """h (T, n_embd), T tokens of one batch row (rot (1, T, D/2) theirs) -> the block's normed input x (T, n_embd)
-    and their q, k and v, rotated: (1, T, H + 2 Hkv, D)."""
+    and their q, k and v, rotated: (1, T, H + 2 Hkv, D). sqk: (H + Hkv) D multipliers of q and k where the cache keeps
+    keys scaled (kvcli/cache/key_scale.py), else 0 elements."""
     H, Hkv, D = heads[0], heads[1], heads[2]
     x = norm(h, attn_norm, eps)
     qkv = _stacked(kinds[0], wqkv, x, heads[3])  # (T, (H + 2 Hkv) D)
@@ -65,6 +66,9 @@ def front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads):
             qkv[t] += bqkv
     q4 = qkv.reshape(1, h.shape[0], H + 2 * Hkv, D)
     rotate(q4[:, :, : H + Hkv], rot, neox)
+    for t in range(qkv.shape[0] if sqk.shape[0] else 0):  # after RoPE, as KVCache.attention: the same bits
+        for j in range(sqk.shape[0]):
+            qkv[t, j] *= sqk[j]
     return x, q4
 
 
@@ -95,28 +99,28 @@ def _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, 
 
 
 @jit
-def layer(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt, ktab,
-          vfmt, vtab, wkv, wmask, extra, pos, scale):
+def layer(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, sqk, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt,
+          ktab, vfmt, vtab, wkv, wmask, extra, pos, scale):
     """h (M, n_embd) f32, the residual stream of M sequences' decode tokens, sequence m's at position pos[m] ((M,)
     int64; M = 1: one sequence, or a server step's rows) -> the block's output (M, n_embd), over dense stores. The four
     matrices (qkv, o, gate/up, down) as _stacked takes them, kinds (4, PARTS) their parts' TILE_TYPES indices; bqkv
-    (H + 2 Hkv) D or 0 elements; rot (1, M, D/2) complex64; heads (H, Hkv, D, threads); kdat, vdat (M, Hkv, n_ctx, D)
-    the layer's stores, kfmt .. vtab their layouts and wkv, wmask, extra attention's empty window and extra
+    (H + 2 Hkv) D or 0 elements, sqk `front`'s; rot (1, M, D/2) complex64; heads (H, Hkv, D, threads); kdat, vdat
+    (M, Hkv, n_ctx, D) the layer's stores, kfmt .. vtab their layouts and wkv, wmask, extra attention's empty window and extra
     (kvcli/kernels/cpu/attention.py)."""
     H, Hkv = heads[0], heads[1]
-    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
+    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, sqk, rot, neox, heads)
     _put_dense(kdat, q4[0, :, H : H + Hkv], vdat, q4[0, :, H + Hkv :], np.arange(h.shape[0]), pos)
     return _rest(h, q4, ffn_norm, eps, kinds, wo, wgu, wdown, heads, kdat, vdat, kfmt, ktab, vfmt, vtab, wkv, wmask,
                  extra, pos, scale)
 
 
 @jit
-def layer_q8_0(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, kdat, vdat, kfmt,
-               ktab, vfmt, vtab, wkv, wmask, extra, pos, scale, kraw, vraw):
+def layer_q8_0(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, sqk, wo, wgu, wdown, rot, neox, heads, kdat, vdat,
+               kfmt, ktab, vfmt, vtab, wkv, wmask, extra, pos, scale, kraw, vraw):
     """`layer` over q8_0 stores: k and v quantized into kraw, vraw (M, Hkv, n_ctx, row bytes) uint8 at pos[m] (the
     bytes kdat, vdat read as int8) as the store's compiled quantizer makes them."""
     H, Hkv = heads[0], heads[1]
-    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
+    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, sqk, rot, neox, heads)
     for m in range(h.shape[0]):
         p = pos[m]
         if not (0 <= p < kraw.shape[2] and p < vraw.shape[2] and m < kraw.shape[0] and m < vraw.shape[0]):
@@ -128,15 +132,15 @@ def layer_q8_0(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, r
 
 
 @jit
-def layer_window(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, wo, wgu, wdown, rot, neox, heads, scale, ring_k,
-                 ring_v, slot, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask, kmean, kneox, ktab, lim,
+def layer_window(h, attn_norm, ffn_norm, eps, kinds, wqkv, bqkv, sqk, wo, wgu, wdown, rot, neox, heads, scale,
+                 ring_k, ring_v, slot, sgn, kdat, ksc, ksink, koff, vdat, vsc, vsink, voff, wkv, wmask, kmean, kneox, ktab, lim,
                  fmt, mid):
     """`layer` over rotated stores with a window (q4_hadamard, tq: attention_rotated.py's kernel): k and v into the
     window's ring (ring_k, ring_v (1, Hkv, N, D) f16 bits) at `slot` as its compiled pass writes them, then that
     kernel over the stores below lim and the ring's unmasked slots (its arguments from sgn on, as its `attend`
     passes them)."""
     H, Hkv, D, threads = heads[0], heads[1], heads[2], heads[3]
-    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, rot, neox, heads)
+    x, q4 = front(h, attn_norm, eps, kinds, wqkv, bqkv, sqk, rot, neox, heads)
     _put_dense(ring_k, q4[0, :, H : H + Hkv], ring_v, q4[0, :, H + Hkv :], np.zeros(1, np.int64),
                np.full(1, slot, np.int64))
     qm = q4[0, 0, :H].copy().reshape(1, Hkv, H // Hkv, D)
