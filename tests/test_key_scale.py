@@ -101,16 +101,19 @@ def _logits(llm: Llama) -> list[torch.Tensor]:
     return out
 
 
-def test_f32_cache_gives_the_same_logits_in_the_scaled_basis(qwen2_f32):
+@pytest.mark.parametrize("type_k", ["f32", "f32=0+f16"])
+def test_f32_cache_gives_the_same_logits_in_the_scaled_basis(qwen2_f32, type_k):
     """q * s . k / s over an f32 store, keys less their mean (the K bias scaled with them): the plain cache's logits, at
-    prefill and decode; the size line says so."""
+    prefill and decode, one type or one per layer (each group's scales); the size line says so."""
     plain = Llama(qwen2_f32, ctx_size=64, threads=1, cache_type_k="f32", cache_type_v="f32", cache_key_bias="off",
                   cache_key_scales="off")
-    scaled = Llama(qwen2_f32, ctx_size=64, threads=1, cache_type_k="f32", cache_type_v="f32", cache_key_bias="on",
+    scaled = Llama(qwen2_f32, ctx_size=64, threads=1, cache_type_k=type_k, cache_type_v="f32", cache_key_bias="on",
                    cache_key_scales="on")
     cache = scaled.new_cache(scaled.cache_spec)
-    assert cache.qk_scale is not None and cache.key_bias is not None and "keys scaled" in cache.describe()
-    assert not torch.allclose(cache.qk_scale, torch.ones_like(cache.qk_scale))  # random weights: not the identity
+    assert all(cache.qk_scales(i) is not None for i in range(scaled.config.n_layers))
+    assert "keys scaled" in cache.describe() and "keys less their mean" in cache.describe()
+    s = cache.qk_scales(0)
+    assert not torch.allclose(s, torch.ones_like(s))  # random weights: not the identity
     for a, b in zip(_logits(scaled), _logits(plain)):
         torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-4)
 
