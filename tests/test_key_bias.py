@@ -115,6 +115,9 @@ def test_run_warns_of_a_known_loss():
     assert "+16.9%" in loss_warning(llama, CacheSpec("kv", "q4_0", "q4_0"), keys_less_bias=False)
     assert loss_warning(qwen, CacheSpec("kv", "tq3", "tq3"), keys_less_bias=True) is None
     assert "+5.98%" in loss_warning(qwen, CacheSpec("kv", "tq2", "tq2"), keys_less_bias=True)
+    line = loss_warning(qwen, CacheSpec("kv", "tq2", "tq2"), keys_less_bias=True, keys_scaled=True)  # the default there
+    assert "+2.79%" in line and "scaled" in line
+    assert loss_warning(qwen, CacheSpec("kv", "tq3", "tq3"), keys_less_bias=True, keys_scaled=True) is None
 
 
 def test_keys_less_their_mean_cost_their_means_and_say_so():

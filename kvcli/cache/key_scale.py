@@ -91,7 +91,3 @@ def scales_keys(policy: str, k_type, model) -> bool:
         return True
     return bool(k_type.rotated and not k_type.dense and model_scales(model)[1].mean() <= GAIN_RULE)
 
-
-def describe(model) -> str:
-    """The size line's note: the predicted share of the score error left."""
-    return f"keys scaled for the queries (score error {model_scales(model)[1].mean():.2f}x)"

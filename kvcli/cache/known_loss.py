@@ -5,7 +5,8 @@ should be told, not find out).
 Each row is a measured figure (benchmarks/README.md, "Keys less their turning mean", the commands there:
 `kvcli perplexity -f wiki.test.raw -c 512 --chunks 20 --sweep ...`, PPL change against the f16 cache). A family is
 the architecture, and whether the cache stores keys less their turning mean and scaled for the queries
-(kvcli/cache/key_scale.py); rows are found by the choice's K and V types, window and key treatment exactly. A choice without a row gets no warning (nothing known).
+(kvcli/cache/key_scale.py); rows are found by the choice's K and V types, window and key treatment exactly. A choice
+without a row gets no warning (nothing known).
 """
 
 from __future__ import annotations
@@ -44,6 +45,12 @@ KNOWN: tuple[Loss, ...] = (
     Loss("qwen2", "tq3", "tq3", 128, True, 0.32, 0.0174, _QWEN),
     Loss("qwen2", "tq3", "tq2", 128, True, 0.14, 0.0301, _QWEN),
     Loss("qwen2", "tq2", "tq2", 128, True, 5.98, 0.1022, _QWEN),
+    # keys less their mean and scaled for the queries (--key-scales auto: the rotated types on this file)
+    Loss("qwen2", "q4_hadamard", "q4_hadamard", 16, True, -0.43, 0.0032, _QWEN, True),
+    Loss("qwen2", "tq4", "tq4", 64, True, -0.41, 0.0027, _QWEN, True),
+    Loss("qwen2", "tq3", "tq3", 128, True, 0.68, 0.0107, _QWEN, True),
+    Loss("qwen2", "tq3", "tq2", 128, True, 0.24, 0.0222, _QWEN, True),
+    Loss("qwen2", "tq2", "tq2", 128, True, 2.79, 0.0769, _QWEN, True),
     # SmolLM2's rotated types with keys as they come (--key-bias off; the default before their mean was taken off)
     Loss("llama", "q4_hadamard", "q4_hadamard", 16, False, 0.4, 0.0033, _SMOL),
     Loss("llama", "tq4", "tq4", 64, False, 0.4, 0.0026, _SMOL),
@@ -78,5 +85,6 @@ def loss_warning(config, spec, keys_less_bias: bool, keys_scaled: bool = False) 
     fix = ("; --key-bias on stores keys less their mean" if config.qkv_bias and not keys_less_bias
            and spec.type_k not in ("f16", "f32", "bf16") else "")
     return (f"warning: -ctk {spec.type_k} -ctv {spec.type_v} (window {spec.window}"
-            f"{', keys less their mean' if keys_less_bias else ''}{', scaled' if keys_scaled else ''}) measured +{row.ppl_pct:g}% "
+            f"{', keys less their mean' if keys_less_bias else ''}{', scaled' if keys_scaled else ''}) "
+            f"measured +{row.ppl_pct:g}% "
             f"perplexity (mean KLD {row.kld:g}) against f16 on {row.model}, a {row.family} model like this one{fix}")
