@@ -142,8 +142,9 @@ def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str 
         if not treats(s.key_bias, resolve_type(type_k)):
             return None
         if model is not None:  # the bias in the basis the cache keeps keys in
-            scale = qk_scale(layer_ids, type_k)
-            return KeyBias.from_model(model, layer_ids, None if scale is None else scale[:, -c.n_kv_heads :])
+            scaled = scales_keys(s.key_scales, resolve_type(type_k), model)
+            return KeyBias.from_model(model, layer_ids, model_scales(model)[0][layer_ids, -c.n_kv_heads :] if scaled
+                                      else None)
         if getattr(c, "qkv_bias", False):
             raise ValueError("a cache of keys less their mean needs the model (its K bias and RoPE table)")
         return KeyBias(torch.zeros(len(layer_ids), c.n_kv_heads, c.head_dim), rope_table(c, n_ctx), c.rope_neox)

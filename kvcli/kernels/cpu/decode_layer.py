@@ -66,9 +66,10 @@ def front(h, attn_norm, eps, kinds, wqkv, bqkv, sqk, rot, neox, heads):
             qkv[t] += bqkv
     q4 = qkv.reshape(1, h.shape[0], H + 2 * Hkv, D)
     rotate(q4[:, :, : H + Hkv], rot, neox)
-    for t in range(qkv.shape[0] if sqk.shape[0] else 0):  # after RoPE, as KVCache.attention: the same bits
-        for j in range(sqk.shape[0]):
-            qkv[t, j] *= sqk[j]
+    if sqk.shape[0]:  # after RoPE, as KVCache.attention: the same bits
+        for t in range(qkv.shape[0]):
+            for j in range(sqk.shape[0]):
+                qkv[t, j] *= sqk[j]
     return x, q4
 
 
