@@ -10,6 +10,8 @@ f32 arithmetic alone (the order of the sums, exp_f32): one tolerance for every t
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
 import pytest
 import torch
@@ -306,3 +308,35 @@ def test_a_changed_shared_file_drops_the_compiled_kernels(tmp_path):
     (tmp_path / "vectors.py").write_text("a newer vectors.py")
     drop_stale_kernels(tmp_path)
     assert not any(f.exists() for f in kernels)
+
+
+def test_a_cached_kernel_keeps_its_linking_ir_as_bitcode_and_still_links(tmp_path):
+    """A kernel loaded from numba's cache holds its IR as bitcode, not parsed (~100 MB for the decode layer), and a
+    caller compiled afterwards still links it (the IR parsed then)."""
+    import subprocess
+    import sys
+
+    (tmp_path / "kern.py").write_text("import numba\n\n@numba.njit(cache=True)\ndef add1(x):\n    return x + 1\n")
+    script = """
+import numba
+from kvcli.kernels.cpu.compile import keep_linking_ir_as_bitcode
+assert keep_linking_ir_as_bitcode()
+import kern
+assert kern.add1(1) == 2
+library = kern.add1.overloads[kern.add1.signatures[0]].library
+loaded = getattr(library, "_kvcli_linking_bitcode", None) is not None
+assert library._shared_module is None if loaded else True
+
+@numba.njit
+def caller(x):
+    return kern.add1(x) * 2
+
+assert caller(3) == 8
+assert library._shared_module is not None
+print("loaded" if loaded else "compiled")
+"""
+    env = {**os.environ, "PYTHONPATH": f"{tmp_path}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    runs = [subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, cwd=tmp_path,
+                           timeout=300) for _ in range(2)]
+    assert [r.returncode for r in runs] == [0, 0], runs[-1].stderr[-2000:]
+    assert [r.stdout.strip() for r in runs] == ["compiled", "loaded"]
