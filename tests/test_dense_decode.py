@@ -311,8 +311,8 @@ def test_a_changed_shared_file_drops_the_compiled_kernels(tmp_path):
 
 
 def test_a_cached_kernel_keeps_its_linking_ir_as_bitcode_and_still_links(tmp_path):
-    """A kernel loaded from numba's cache holds its IR as bitcode, not parsed (~100 MB for the decode layer), and a
-    caller compiled afterwards still links it (the IR parsed then)."""
+    """A kernel loaded from numba's cache holds its IR as bitcode, not parsed (~100 MB for the decode layer), its names
+    read from its machine code, and a caller compiled afterwards still links it (the IR parsed then)."""
     import subprocess
     import sys
 
@@ -326,6 +326,11 @@ assert kern.add1(1) == 2
 library = kern.add1.overloads[kern.add1.signatures[0]].library
 loaded = getattr(library, "_kvcli_linking_bitcode", None) is not None
 assert library._shared_module is None if loaded else True
+if loaded:  # the names read from the machine code hold those numba reads from the IR
+    import llvmlite.binding as ll
+    ir = ll.parse_bitcode(library._kvcli_linking_bitcode)
+    names = {g.name for gs in (ir.functions, ir.global_variables) for g in gs if not g.is_declaration}
+    assert names and names <= library._codegen._engine._defined_symbols, "names missing"
 
 @numba.njit
 def caller(x):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import hashlib
 import os
 import platform
+import struct
 import threading
 from pathlib import Path
 
@@ -60,24 +61,58 @@ def drop_stale_kernels(folder: Path = Path(__file__).resolve().parent) -> None:
 SHARED = ("compile.py", "vectors.py")  # the files every kernel's compiled code depends on
 
 
+def elf_defined_symbols(obj: bytes) -> set[str] | None:
+    """The names an ELF64 little-endian object defines (functions, data; not files or sections), from its symbol
+    table, or None for another format. The same set numba reads from the kernel's parsed IR (checked on the decode
+    layer's kernels) in a hundredth of the time."""
+    if obj[:6] != b"\x7fELF\x02\x01":
+        return None
+    (shoff,), (entsize, count) = struct.unpack_from("<Q", obj, 0x28), struct.unpack_from("<HH", obj, 0x3A)
+    sections = [struct.unpack_from("<IIQQQQIIQQ", obj, shoff + i * entsize) for i in range(count)]
+    names = set()
+    for _, kind, _, _, offset, size, link, *_ in sections:
+        if kind != 2:  # SHT_SYMTAB
+            continue
+        strings = sections[link][4]
+        for at in range(offset, offset + size, 24):
+            name, info, _, section = struct.unpack_from("<IBBH", obj, at)
+            if name and section != 0 and (info & 15) not in (3, 4):  # defined; not STT_SECTION / STT_FILE
+                names.add(obj[strings + name : obj.index(b"\0", strings + name)].decode())
+    return names
+
+
 def keep_linking_ir_as_bitcode() -> bool:
-    """numba loads a cached kernel with its LLVM IR parsed (the "shared module", kept to link the kernel into a caller
-    compiled later) beside the machine code it runs: ~100 MB of IR for the decode layer's three kernels (Qwen2.5's
-    run: 765 -> 661 MiB RssAnon). Keep the IR's bitcode (a few MB) instead, parsed again only where a caller links it.
-    False (numba as it is) where numba's code library lacks the parts this relies on."""
+    """numba loads a cached kernel by parsing its LLVM IR (the "shared module": for the names it defines, and kept to
+    link the kernel into a caller compiled later) beside the machine code it runs: ~0.6 s of a run's load and ~100
+    MB held for the decode layer's three kernels (Qwen2.5: RssAnon 796 -> 686 MiB). Here the names come from the
+    machine code's symbol table and the IR stays bitcode (a few MB), parsed only where a caller links it. False
+    (numba as it is) where numba's code library lacks the parts this relies on."""
     from numba.core import codegen
 
     cls = getattr(codegen, "JITCodeLibrary", None)
-    if cls is None or not all(hasattr(cls, n) for n in ("_unserialize", "_get_module_for_linking")):
+    parts = ("_unserialize", "_get_module_for_linking", "enable_object_caching", "_set_compiled_object",
+             "_finalize_final_module")
+    if cls is None or not all(hasattr(cls, n) for n in parts):
         return False
     if getattr(cls, "_kvcli_bitcode", False):
         return True
     unserialize, for_linking = cls._unserialize.__func__, cls._get_module_for_linking
 
     def _unserialize(klass, codegen_, state):
-        library = unserialize(klass, codegen_, state)
-        if state[1] == "object" and getattr(library, "_shared_module", None) is not None:  # symbols already read
-            library._kvcli_linking_bitcode, library._shared_module = state[2][1], None
+        name, kind, data = state
+        symbols = elf_defined_symbols(data[0]) if kind == "object" else None
+        engine = getattr(codegen_, "_engine", None)
+        if symbols is None or not isinstance(getattr(engine, "_defined_symbols", None), set):
+            library = unserialize(klass, codegen_, state)  # numba's own way: the IR parsed for the names
+            if kind == "object":
+                library._kvcli_linking_bitcode, library._shared_module = data[1], None
+            return library
+        library = codegen_.create_library(name)  # numba's steps for an object, less the parse
+        library.enable_object_caching()
+        library._set_compiled_object(data[0])
+        library._kvcli_linking_bitcode = data[1]
+        library._finalize_final_module()
+        engine._defined_symbols |= symbols
         return library
 
     def _get_module_for_linking(library):
