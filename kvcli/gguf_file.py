@@ -12,6 +12,7 @@ ggml order (ne0 = columns first); torch wants (rows, cols), so shapes are revers
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 import mmap
@@ -97,7 +98,14 @@ def drop_view_pages(view: np.ndarray) -> None:
     start, end = view.ctypes.data, view.ctypes.data + view.nbytes
     first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
     if last > first:
-        ctypes.CDLL(None).madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
+
+
+@functools.cache
+def _libc():
+    import ctypes
+
+    return ctypes.CDLL(None)
 
 
 class _Scan:

@@ -40,6 +40,7 @@ from kvcli import kernel_table as table
 from kvcli.gguf_file import drop_view_pages
 from kvcli.kernel_table import AVX2, AVX512, BF16, NORM, PRODUCT, ROPE, ROWS, SWIGLU, Entry
 from kvcli.kernels.cpu.int4_tiles import GROUP, pack_pairs, tile_width, unpack_pairs
+from kvcli.memory import mapped_empty
 
 # Rows up to which a FileBlocks product runs on the blocks (a slab of rows decoded for every row of x); a larger batch
 # decodes f32 slabs for a GEMM.
@@ -608,6 +609,12 @@ class Concat:
         return Rows(self, start, n)
 
 
+def _joined(arrays: list[np.ndarray]) -> np.ndarray:
+    """numpy arrays stacked along their first axis into an anonymous map (memory.mapped_empty: a load's copy)."""
+    out = mapped_empty((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
+    return np.concatenate(arrays, out=out)
+
+
 def cat(forms: list):
     """Forms stacked along N as one form: in place where all are Dense of one dtype, Int8, Blocks of
     one kind, or Int4 of whole tiles (one product for fused q/k/v and gate/up); a Concat of separate
@@ -624,9 +631,9 @@ def cat(forms: list):
         return Blocks(join([f.codes for f in forms]), join([f.scale for f in forms]), join([f.min for f in forms]),
                       forms[0].bits, forms[0].dtype)
     if kinds == {FileBlocks} and len({(f.type, f.k) for f in forms}) == 1:  # one copy of the layer's rows
-        return FileBlocks(np.concatenate([f.raw for f in forms]), forms[0].type, forms[0].k)
+        return FileBlocks(_joined([f.raw for f in forms]), forms[0].type, forms[0].k)
     if kinds == {FileTiles} and len({(f.type, f.k) for f in forms}) == 1:
-        return FileTiles(np.concatenate([f.tiles for f in forms]), forms[0].type, forms[0].k)
+        return FileTiles(_joined([f.tiles for f in forms]), forms[0].type, forms[0].k)
     if kinds == {Int4} and all(f.n == f.packed.shape[0] for f in forms[:-1]):
         return Int4(torch.cat([f.packed for f in forms]), torch.cat([f.sz for f in forms], 1),
                     sum(f.n for f in forms))

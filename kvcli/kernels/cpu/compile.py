@@ -127,9 +127,25 @@ def keep_linking_ir_as_bitcode() -> bool:
     return True
 
 
+def array_math_without_scipy() -> None:
+    """numba's array math, which its first kernel loads, imports scipy's BLAS to decide whether np.vdot and np.inner
+    call it (0.15-0.3 s of a run's load here, for functions no kvcli kernel uses): imported here with that one import
+    refused, so those two take numba's own loop. np.dot and np.linalg still import it where a kernel compiles them."""
+    import sys
+
+    if "numba.np.arraymath" in sys.modules or "scipy.linalg" in sys.modules:
+        return
+    sys.modules["scipy.linalg"] = None  # an import of it or of its parts raises ImportError
+    try:
+        import numba.np.arraymath  # noqa: F401
+    finally:
+        del sys.modules["scipy.linalg"]
+
+
 if numba is not None:
     drop_stale_kernels()
     keep_linking_ir_as_bitcode()
+    array_math_without_scipy()
 
 
 def available() -> bool:
