@@ -32,8 +32,8 @@ __all__ = ["TILE_ROWS", "TILE_TYPES", "available", "matmul", "retile", "untile",
 def _to_tiles(raw, tiles, lo, hi, units, qh):
     """tiles[lo..hi-1] (T, 8 row units) <- raw (8 T, row units), in 16-bit units (every field starts at an even
     byte): unit u of a row's block -> unit 8 u + r of the tile's; Q5_0 / Q5_1's fifth bits (qh >= 0: the first of
-    their two units) regrouped by lane: element 2c + e + 16h of row r -> bit 2r + e of the word at unit qh + (2c +
-    h) // 8's place (2c + h) % 8."""
+    their two units) regrouped by lane: element 2c + e + 16h of row r -> bit c + 8h of the word at unit 8 qh + 2r + e
+    (the tile's lane 2r + e of a code run: one shift and one mask give a run's fifth bits, vectors.ggml_tile_dots)."""
     for t in numba.prange(lo, hi):
         for b in range(raw.shape[1] // units):
             o, src = 8 * b * units, b * units
@@ -41,13 +41,14 @@ def _to_tiles(raw, tiles, lo, hi, units, qh):
                 for r in range(8):
                     tiles[t, o + 8 * u + r] = raw[8 * t + r, src + u]
             if qh >= 0:
-                for k in range(16):  # word (c, h) = (k // 2, k % 2)
-                    shift = 2 * (k // 2) + 16 * (k % 2)
-                    word = np.uint32(0)
-                    for r in range(8):
-                        bits = np.uint32(raw[8 * t + r, src + qh]) | (np.uint32(raw[8 * t + r, src + qh + 1]) << 16)
-                        word |= ((bits >> shift) & 3) << (2 * r)
-                    tiles[t, o + 8 * qh + k] = np.uint16(word)
+                for r in range(8):
+                    bits = np.uint32(raw[8 * t + r, src + qh]) | (np.uint32(raw[8 * t + r, src + qh + 1]) << 16)
+                    for e in range(2):
+                        word = np.uint32(0)
+                        for h in range(2):
+                            for c in range(8):
+                                word |= ((bits >> (2 * c + e + 16 * h)) & 1) << (c + 8 * h)
+                        tiles[t, o + 8 * qh + 2 * r + e] = np.uint16(word)
 
 
 @jit
@@ -62,8 +63,11 @@ def _from_tiles(tiles, raw, lo, hi, units, qh):
             if qh >= 0:
                 for r in range(8):
                     bits = np.uint32(0)
-                    for k in range(16):
-                        bits |= ((np.uint32(tiles[t, o + 8 * qh + k]) >> (2 * r)) & 3) << (2 * (k // 2) + 16 * (k % 2))
+                    for e in range(2):
+                        word = np.uint32(tiles[t, o + 8 * qh + 2 * r + e])
+                        for h in range(2):
+                            for c in range(8):
+                                bits |= ((word >> (c + 8 * h)) & 1) << (2 * c + e + 16 * h)
                     raw[8 * (t - lo) + r, dst + qh] = np.uint16(bits & 0xFFFF)
                     raw[8 * (t - lo) + r, dst + qh + 1] = np.uint16(bits >> 16)
 

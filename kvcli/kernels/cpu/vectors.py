@@ -1158,6 +1158,8 @@ if numba is not None:
             d = f16s(0)
             has_min = name in ("Q4_1", "Q5_1")
             first = 1 + has_min + 2 * (name in ("Q5_0", "Q5_1"))  # the first code unit
+            if name in ("Q5_0", "Q5_1"):  # lane l's 16 fifth bits: bit c + 8h for run c's half h (ggml_tiles)
+                fifth = ir_load(builder, builder.add(at, ir.Constant(_I64, unit_bytes * (1 + has_min))), _V16S)
             for c in range(16 if name == "Q8_0" else 8):
                 if name == "Q8_0":
                     raw = ir_load(builder, builder.add(at, ir.Constant(_I64, unit_bytes * (1 + c))), _V16B)
@@ -1165,15 +1167,11 @@ if numba is not None:
                     continue
                 wide = run(first + c)
                 halves = [builder.and_(wide, s16(15)), builder.lshr(wide, s16(4))]
+                if name in ("Q5_0", "Q5_1"):  # each half's fifth bit moved to bit 4 by one shift, then masked
+                    at_4 = [builder.shl(fifth, s16(4 - c)) if c < 4 else builder.lshr(fifth, s16(c - 4)) if c > 4
+                            else fifth, builder.lshr(fifth, s16(c + 4))]
+                    halves = [builder.or_(v, builder.and_(f, s16(16))) for v, f in zip(halves, at_4)]
                 for h in (0, 1):
-                    if name in ("Q5_0", "Q5_1"):  # run c's words: bit l of word h is lane l's fifth bit
-                        word = ir_load(builder, builder.add(at, ir.Constant(_I64, unit_bytes * (1 + has_min) + 4 * c + 2 * h)),
-                                       ir.IntType(16))
-                        one = builder.insert_element(ir.Constant(_V16S, None), word, ir.Constant(_I32, 0))
-                        bits = builder.and_(builder.shuffle_vector(one, one, ir.Constant(ir.VectorType(_I32, 16), [0] * 16)),
-                                            ir.Constant(_V16S, [1 << j for j in range(16)]))
-                        halves[h] = builder.or_(halves[h], builder.select(builder.icmp_unsigned("!=", bits, s16(0)),
-                                                                          s16(16), s16(0)))
                     madd(0, halves[h], 16 * h + 2 * c)
             scale(0, d, 0)
             if has_min:
