@@ -509,7 +509,8 @@ class FileTiles(FileBlocks):
     def of(cls, raw: np.ndarray, ggml_type: str, k: int, mapped: bool = False) -> FileTiles:
         """Regrouped from raw (N, row bytes); mapped: raw is a view of the file's memory map, whose pages are let
         go as they are read (they would count in RSS beside the tiles until the load's end)."""
-        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw, drop_view_pages if mapped else None), ggml_type, k)
+        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw, drop_view_pages if mapped else None, mapped_empty),
+                   ggml_type, k)
 
     @property
     def raw(self) -> np.ndarray:

@@ -15,8 +15,6 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from kvcli.memory import mapped_empty
-
 from . import ggml_dot
 from .compile import available, jit, jit_threaded, numba
 from .ggml_rows import _threads
@@ -85,11 +83,12 @@ def _units(a: np.ndarray) -> np.ndarray:
 RETILE_TILES = 1024  # tiles made at a time by retile, after which `done` may let the source's pages go
 
 
-def retile(ggml_type: str, raw: np.ndarray, done=None) -> np.ndarray:
+def retile(ggml_type: str, raw: np.ndarray, done=None, empty=np.empty) -> np.ndarray:
     """raw (N, row bytes) of the file's blocks, N a multiple of 8 -> tiles (N / 8, row bytes x 8) as
-    vectors.ggml_tile_dots reads them: the same bytes reordered; done(rows of raw) after each run of them is made
-    (a memory map's pages read so far can go: the load's peak is the tiles plus one run)."""
-    tiles = mapped_empty((raw.shape[0] // TILE_ROWS, raw.shape[1] * TILE_ROWS), np.uint8)
+    vectors.ggml_tile_dots reads them: the same bytes reordered, into empty(shape, dtype) (a load's: kvcli/memory.py
+    mapped_empty); done(rows of raw) after each run of them is made (a memory map's pages read so far can go: the
+    load's peak is the tiles plus one run)."""
+    tiles = empty((raw.shape[0] // TILE_ROWS, raw.shape[1] * TILE_ROWS), np.uint8)
     _threads()
     src, dst = _units(np.ascontiguousarray(raw)), _units(tiles)
     for lo in range(0, tiles.shape[0], RETILE_TILES):
