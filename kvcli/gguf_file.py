@@ -12,7 +12,6 @@ ggml order (ne0 = columns first); torch wants (rows, cols), so shapes are revers
 
 from __future__ import annotations
 
-import functools
 import hashlib
 import math
 import mmap
@@ -25,6 +24,7 @@ import numpy as np
 
 from kvcli.config import ModelConfig
 from kvcli.errors import KvcliError
+from kvcli.memory import libc
 
 # Limits of the format as llama.cpp's gguf.cpp applies them (GGML_MAX_DIMS, GGML_MAX_NAME).
 MAX_DIMS = 4
@@ -98,14 +98,7 @@ def drop_view_pages(view: np.ndarray) -> None:
     start, end = view.ctypes.data, view.ctypes.data + view.nbytes
     first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
     if last > first:
-        _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
-
-
-@functools.cache
-def _libc():
-    import ctypes
-
-    return ctypes.CDLL(None)
+        libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), mmap.MADV_DONTNEED)
 
 
 class _Scan:

@@ -23,14 +23,19 @@ def return_freed_memory() -> None:
 
 
 @functools.cache
-def _malloc_trim():
-    """glibc's malloc_trim, looked up once (it runs between a long input's batches), or None."""
+def libc():
+    """The C library's functions (malloc_trim, madvise), looked up once, or None where the process has none."""
     import ctypes
 
     try:
-        return ctypes.CDLL("libc.so.6").malloc_trim
-    except (OSError, AttributeError):  # not glibc
+        return ctypes.CDLL(None)
+    except OSError:
         return None
+
+
+def _malloc_trim():
+    """glibc's malloc_trim (it runs between a long input's batches), or None (not glibc)."""
+    return getattr(libc(), "malloc_trim", None)
 
 
 def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu"):
@@ -42,21 +47,24 @@ def lazy_zeros(shape: tuple[int, ...], dtype, device="cpu"):
     nbytes = math.prod(shape) * dtype.itemsize
     if str(device) != "cpu" or nbytes < MIB:
         return torch.zeros(shape, dtype=dtype, device=device)
-    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)  # the tensor keeps the map alive
+    return torch.frombuffer(_anonymous_map(nbytes), dtype=dtype).view(shape)  # the tensor keeps the map alive
+
+
+def _anonymous_map(nbytes: int) -> mmap.mmap:
+    """nbytes of zeros the OS commits page by page on first write, the process's own (RssAnon), and gives back whole
+    when dropped; 4 KB pages (numpy's own large allocations ask for transparent huge pages, whose synchronous
+    compaction made Qwen2.5's 373 MiB of tiles take 0.8-1.1 s to write here, against 0.2 s)."""
+    if hasattr(mmap, "MAP_PRIVATE"):
+        return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    return mmap.mmap(-1, max(nbytes, 1))  # Windows: the paging file's, committed as written
 
 
 def mapped_empty(shape: tuple[int, ...], dtype) -> "np.ndarray":
-    """An uninitialized numpy array over an anonymous memory map (zeros until written), for a load's large copies
-    (the weights' tiles): its 4 KB pages are faulted in as they are first written, and go back to the OS whole when
-    it is dropped. numpy's own allocation asks the kernel for transparent huge pages, whose synchronous compaction
-    (THP defrag "madvise") made Qwen2.5's 373 MiB of tiles take 0.8-1.1 s to write here, against 0.2 s."""
+    """An uninitialized numpy array over an anonymous map (_anonymous_map): a load's large copies (the weights' tiles)."""
     import numpy as np
 
-    nbytes = max(math.prod(shape) * np.dtype(dtype).itemsize, 1)
-    if not hasattr(mmap, "MAP_PRIVATE"):  # Windows: the heap's
-        return np.empty(shape, dtype)
-    anonymous = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)  # the process's own (RssAnon)
-    return np.frombuffer(anonymous, dtype, math.prod(shape)).reshape(shape)
+    count = math.prod(shape)
+    return np.frombuffer(_anonymous_map(count * np.dtype(dtype).itemsize), dtype, count).reshape(shape)
 
 
 def available_bytes() -> int | None:
