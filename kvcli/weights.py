@@ -7,22 +7,25 @@ Each form holds one matrix W (N, K) (torch order: N outputs, K inputs) and offer
   dequantize()  W (N, K) f32, the reference the tests use;
   nbytes        the bytes it keeps resident.
 Forms (chosen per tensor by `resident_form`, from its GGUF type), each with a `kind`, its key in the kernel table:
-  Int4  Q4_0 / Q4_1 / Q4_K: 4-bit codes with a per-32 scale and zero point, in torch's packed
+  Int4  Q4_0 / Q4_1 / Q4_K on a CPU without AVX2: 4-bit codes with a per-32 scale and zero point, in torch's packed
         layout for its int4 weight-only GEMM (kvcli/kernels/cpu/int4_tiles.py): W = (q - 8) d + z.
-  Int8  Q8_0 where the AVX512-VNNI kernel runs: int8 codes (N, K) and the f16 block scales (N, K / 32): W = d q.
-  FileBlocks (CPU) the other ggml types of FILE_BLOCKS (Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS, Q8_0 elsewhere): the
-        file's own blocks, a view of the memory map, decoded where multiplied (kvcli/kernels/cpu/ggml_rows.py).
-  FileTiles (CPU with AVX2, where the VNNI kernel does not run) the types of ggml_tiles (Q4_0-Q8_0, Q4_K-Q6_K):
-        the file's blocks regrouped 8 rows at a time, as many bytes (kvcli/kernels/cpu/ggml_tiles.py).
+  Int8  Q8_0 as int8 codes (N, K) and the f16 block scales (N, K / 32), W = d q, for the AVX512-VNNI kernel: no
+        longer chosen for a file (1.24x Q8_0's bytes, and FileTiles' kernel decodes faster on the AVX-512 EPYC
+        measured, benchmarks/README.md); load(tensor, "int8") makes one.
+  FileBlocks (CPU) the other ggml types of FILE_BLOCKS (Q5_0, Q5_1, Q2_K-Q6_K, IQ4_NL, IQ4_XS; without AVX2 Q8_0
+        too): the file's own blocks, a view of the memory map, decoded where multiplied (kvcli/kernels/cpu/ggml_rows.py).
+  FileTiles (CPU with AVX2, AVX-512 included) the types of ggml_tiles (Q4_0-Q8_0, Q4_K-Q6_K): the file's blocks
+        regrouped 8 rows at a time, as many bytes (kvcli/kernels/cpu/ggml_tiles.py).
   Blocks (CUDA) the same types as blocks of 32 in ggml's order with f16 scale and min, for the Triton
         decode kernel (kvcli/kernels/gpu/weights.py): int4_cuda (Q4_*) and int8_cuda (Q8_0).
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor (its own product, no kernel).
 A form asks the table for its PRODUCT entry once, at its first product (the table chooses once per kind, device and
-machine), and keeps it: a decode step's product costs no lookup. On a CPU with AVX512-VNNI (and VBMI) up to 8 rows
-run kvcli's int8-dot kernel (kvcli/kernels/cpu/weights.py), then torch's int4 GEMV; elsewhere torch's int4 GEMV; a
-prefill batch dequantizes slabs of W (ROWS: to bf16 in one compiled pass, kvcli/kernels/cpu/dequantize.py, where the
-CPU multiplies bf16 in hardware; to f32 by torch) and runs a GEMM; on CUDA the Triton kernel up to KERNEL_ROWS rows,
-slabs in the compute dtype beyond (figures in benchmarks/README.md). `kernel_lines()` lists the choices.
+machine), and keeps it: a decode step's product costs no lookup. A file's forms run ggml_tiles' or ggml_dot's byte
+products up to FILE_GEMV_ROWS rows; an Int4 or Int8 form up to 8 rows kvcli's int8-dot kernel where AVX512-VNNI (and
+VBMI) runs (kvcli/kernels/cpu/weights.py), then torch's int4 GEMV; a prefill batch dequantizes slabs of W (ROWS) and
+runs a GEMM, in bf16 where the CPU multiplies bf16 in hardware (batch_dtype); on CUDA the Triton kernel up to
+KERNEL_ROWS rows, slabs in the compute dtype beyond (figures in benchmarks/README.md). `kernel_lines()` lists the
+choices.
 """
 
 from __future__ import annotations
@@ -432,7 +435,7 @@ class Blocks:
 class FileBlocks:
     """W (N, K) in the file's own ggml blocks: raw (N, K / QK * bytes a block) uint8, read-only, a view of the memory map
     or a copy of it (fused rows), multiplied where it lies by kvcli/kernels/cpu/ggml_rows.py (decode: a slab of rows
-    decoded at a time for every row of x; a batch: f32 slabs + GEMM). No byte more than the file's."""
+    decoded at a time for every row of x; a batch: slabs + GEMM). No byte more than the file's."""
 
     kind = "ggml"
 
@@ -462,7 +465,7 @@ class FileBlocks:
 
     def reference_matmul(self, x: torch.Tensor) -> torch.Tensor:
         """PRODUCT's reference: f32 GEMMs over slabs of W dequantized by gguf-py (slab_t)."""
-        return _file_slab_products(self, x, self.slab_t)
+        return _file_slab_products(self, x, self.slab_t)  # f32: the reference
 
     def slab_t(self, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """ROWS' reference (gguf-py's dequantization): rows start..stop-1 as W.T (K, stop - start) in `dtype`."""
@@ -651,22 +654,19 @@ def resident_form(ggml_type: str, weights: str, dtype: str, device: str, n: int 
     """The form a matrix of `ggml_type` is kept in: 'int4', 'int8' (CPU), 'int4_cuda', 'int8_cuda'
     (CUDA: Blocks), the type's name in lower case (CPU: FileBlocks, the file's own bytes), or a dense dtype name.
 
-    weights: native (on the CPU: Q4_0, Q4_1, Q4_K and Q8_0 as int4 / int8 tiles where the AVX512-VNNI kernel runs,
-    which beat the blocks' products there (Qwen's Q8_0 head 1.8x); else the file's blocks where the AVX2 byte-product
-    kernel takes the type (1.3x torch's int4 GEMV on SmolLM2's Q4_1), else int4 tiles for torch's GEMV; the other
-    types FILE_BLOCKS lists in the file's blocks; CUDA: Blocks for the Triton kernel; else dense at the compute
-    dtype), f16, f32. Where ggml_tiles' AVX2 kernel runs and the VNNI one does not, its types as 8 rows' blocks
-    regrouped ('q5_0x8', FileTiles) when the matrix's n rows (None: any) are whole tiles."""
+    weights: native (on the CPU: where ggml_tiles' AVX2 kernel runs (AVX-512 CPUs too), its types as 8 rows' blocks
+    regrouped ('q5_0x8', FileTiles) when the matrix's n rows (None: any) are whole tiles: the file's bytes, and on the
+    AVX-512 EPYC measured 1.4-1.9x the decode of the int4 / int8 forms with the VNNI kernel; else the file's blocks
+    where the AVX2 byte-product kernel takes the type; else Q4_0, Q4_1, Q4_K as int4 tiles for torch's GEMV; the
+    other types FILE_BLOCKS lists in the file's blocks; CUDA: Blocks for the Triton kernel; else dense at the compute
+    dtype), f16, f32."""
     if weights != "native":
         return weights
     if device == "cuda" and ggml_type in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
         return "int8_cuda" if ggml_type == "Q8_0" else "int4_cuda"
-    if device == "cpu" and tile_width() is not None and ggml_type in ("Q4_0", "Q4_1", "Q4_K", "Q8_0"):
-        tiles = "int8" if ggml_type == "Q8_0" else "int4"
-        if table.choose(PRODUCT, "cpu", tiles).run in (_int4_avx512, _int8_avx512):
-            return tiles
-        if ggml_type != "Q8_0" and table.choose(PRODUCT, "cpu", "ggml", ggml_type=ggml_type).run is not _file_blocks_dot:
-            return tiles
+    if device == "cpu" and tile_width() is not None and ggml_type in ("Q4_0", "Q4_1", "Q4_K"):
+        if table.choose(PRODUCT, "cpu", "ggml", ggml_type=ggml_type).run is not _file_blocks_dot:
+            return "int4"
     if device == "cpu" and ggml_type in _tile_types() and (n is None or n % 8 == 0):
         return f"{ggml_type.lower()}x8"
     if device == "cpu" and ggml_type in FILE_BLOCKS:
@@ -903,13 +903,25 @@ def _slab_products(form: Int4, x: torch.Tensor, dtype: torch.dtype, slab=None) -
     return y if Np == form.n else y[..., : form.n].contiguous()
 
 
-def _file_slab_products(form: FileBlocks, x: torch.Tensor, slab, rows_a_step: int = 1) -> torch.Tensor:
-    """x @ W.T for a FileBlocks form by f32 slabs of W (slab(start, stop) -> W.T's slab (K, stop - start)), each
-    product taken before the next slab (which may reuse the scratch); slabs a multiple of rows_a_step rows."""
+def batch_dtype() -> torch.dtype:
+    """The GEMM dtype of a file form's batch (more than FILE_GEMV_ROWS rows): bf16 where the CPU multiplies bf16 in
+    hardware (kernel_table.BF16: x and the slab rounded to bf16, f32 sums, the output rounded to bf16; 2.5x the f32
+    GEMM's rate on the AVX-512 EPYC, Qwen's pp512 1.5x; its KLD against --weights f32 in benchmarks/README.md),
+    else f32."""
+    return torch.bfloat16 if table.has(BF16) else torch.float32
+
+
+def _file_slab_products(form: FileBlocks, x: torch.Tensor, slab, rows_a_step: int = 1,
+                        dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """x @ W.T (f32) for a FileBlocks form by slabs of W in `dtype` (slab(start, stop, dtype) -> W.T's slab (K, stop -
+    start)), x rounded to dtype, each product taken before the next slab (which may reuse the scratch); slabs a
+    multiple of rows_a_step rows."""
     N, K = form.shape
     step = max(rows_a_step, SLAB_ELEMS // K // rows_a_step * rows_a_step)
-    parts = [x @ slab(s, min(s + step, N)) for s in range(0, N, step)]
-    return parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+    xd = x.to(dtype)
+    parts = [xd @ slab(s, min(s + step, N), dtype) for s in range(0, N, step)]
+    y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
+    return y.float()
 
 
 def _file_slab(form: FileBlocks, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
@@ -921,12 +933,13 @@ def _file_slab(form: FileBlocks, start: int, stop: int, dtype: torch.dtype = tor
 
 def _file_blocks_product(kernel: str):
     """PRODUCT's run for FileBlocks through the kernel module `kernel` (ggml_rows: f32 slabs in the core's cache;
-    ggml_dot: AVX2 integer products): up to FILE_GEMV_ROWS rows on the blocks (its matmul), a batch by f32 slabs + GEMM."""
+    ggml_dot: AVX2 integer products): up to FILE_GEMV_ROWS rows on the blocks (its matmul), a batch by slabs + GEMM
+    (batch_dtype)."""
 
     def run(form: FileBlocks, x: torch.Tensor) -> torch.Tensor:
         rows = _rows(x)
         if rows > FILE_GEMV_ROWS:
-            return _file_slab_products(form, x, lambda start, stop: _file_slab(form, start, stop))
+            return _file_slab_products(form, x, functools.partial(_file_slab, form), dtype=batch_dtype())
         y = _cpu_kernel(kernel).matmul(form.type, form.raw, x.reshape(rows, form.k).contiguous().numpy())
         return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
 
@@ -941,7 +954,7 @@ def _dot_types() -> tuple[str, ...]:
 
 
 def _tile_types() -> tuple[str, ...]:
-    """The types kept as FileTiles: those of ggml_tiles' kernel, where the CPU runs it and the VNNI one does not."""
+    """The types kept as FileTiles: those of ggml_tiles' kernel, where the CPU runs it."""
     if not table.cpu_compiler() or table.choose(PRODUCT, "cpu", "ggml_tiles").run is not _file_tiles_dot:
         return ()
     return _cpu_kernel("vectors").TILE_TYPES
@@ -953,10 +966,11 @@ def _tiles_slab(form: FileTiles, start: int, stop: int, dtype: torch.dtype = tor
 
 
 def _file_tiles_dot(form: FileTiles, x: torch.Tensor) -> torch.Tensor:
-    """PRODUCT's run for FileTiles: up to FILE_GEMV_ROWS rows by ggml_tiles' kernel, a batch by f32 slabs + GEMM."""
+    """PRODUCT's run for FileTiles: up to FILE_GEMV_ROWS rows by ggml_tiles' kernel, a batch by slabs + GEMM
+    (batch_dtype)."""
     rows = _rows(x)
     if rows > FILE_GEMV_ROWS:
-        return _file_slab_products(form, x, lambda start, stop: _tiles_slab(form, start, stop), form.per_tile)
+        return _file_slab_products(form, x, functools.partial(_tiles_slab, form), form.per_tile, batch_dtype())
     y = _cpu_kernel("ggml_tiles").matmul(form.type, form.tiles, x.reshape(rows, form.k).contiguous().numpy())
     return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
 
@@ -1100,15 +1114,15 @@ for _entry in (
           _int8_portable, ready=_int4_tiles_ready, tol=BF16_TOL,
           why="the packed codes read as they lie, with no kernel of kvcli's"),
     Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_dot.py (AVX2 byte products, 15-bit "
-          "activations) to FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_dot, isa=AVX2,
+          "activations) to FILE_GEMV_ROWS rows, then slabs + GEMM (bf16 where BF16 runs)", _file_blocks_dot, isa=AVX2,
           covers=lambda ggml_type=None, **_: ggml_type in _dot_types(), ready=table.cpu_compiler, tol=DOT_TOL,
           why="decode's rows on the codes, 32 a product in byte lanes (the slab kernel widens each to f32)"),
     Entry(PRODUCT, "cpu", frozenset({"ggml_tiles"}), "kvcli/kernels/cpu/ggml_tiles.py (AVX2 byte products, 8 rows "
-          "a vector, 15-bit activations) to FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_tiles_dot, isa=AVX2,
+          "a vector, 15-bit activations) to FILE_GEMV_ROWS rows, then slabs + GEMM (bf16 where BF16 runs)", _file_tiles_dot, isa=AVX2,
           ready=table.cpu_compiler, tol=DOT_TOL,
           why="decode's rows on the codes with 8 rows' sums in one vector: scales, conversions and sums once for 8"),
     Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors) to "
-          "FILE_GEMV_ROWS rows, then f32 slabs + GEMM", _file_blocks_numba, ready=table.cpu_compiler,
+          "FILE_GEMV_ROWS rows, then slabs + GEMM (bf16 where BF16 runs)", _file_blocks_numba, ready=table.cpu_compiler,
           why="the file's blocks decoded a slab of rows at a time, in the core's cache, for every row of x"),
     Entry(ROWS, "cpu", frozenset({"ggml_tiles"}), "kvcli/kernels/cpu/ggml_tiles.py untile, then ggml_rows.py",
           _tiles_slab, covers=lambda dtype=None, **_: dtype == torch.float32, ready=table.cpu_compiler,
@@ -1149,9 +1163,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 # Each form kind, the device its form lives on, and what it is.
-_KINDS = (("int4", "cpu", "Q4_0 / Q4_1 / Q4_K on CPU with AVX512-VNNI, or without AVX2"),
-          ("int8", "cpu", "Q8_0 on CPU with AVX512-VNNI"),
-          ("ggml_tiles", "cpu", "Q4_0-Q8_0 / Q4_K-Q6_K on CPU with AVX2 and without AVX512-VNNI, 8 rows' blocks regrouped"),
+_KINDS = (("int4", "cpu", "Q4_0 / Q4_1 / Q4_K on CPU without AVX2"),
+          ("int8", "cpu", "Q8_0 as int8 codes (load(tensor, 'int8'); no file's default)"),
+          ("ggml_tiles", "cpu", "Q4_0-Q8_0 / Q4_K-Q6_K on CPU with AVX2 (or AVX-512), 8 rows' blocks regrouped"),
           ("ggml", "cpu", "the other ggml types on CPU, in the file's blocks"),
           ("int4_cuda", "cuda", "Q4_* on CUDA"), ("int8_cuda", "cuda", "Q8_0 on CUDA"))
 
