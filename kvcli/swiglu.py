@@ -25,11 +25,16 @@ def _swiglu_reference(gu: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
-def _swiglu_numba(gu: torch.Tensor) -> torch.Tensor:
-    from kvcli.kernels.cpu.swiglu import swiglu as kernel
+# Rows from which a batch's SwiGLU is split over the threads (a decode step's few rows stay in the calling thread)
+THREADED_ROWS = 16
 
-    rows = gu.reshape(-1, gu.shape[-1])
-    return torch.from_numpy(kernel(rows.numpy())).view(*gu.shape[:-1], gu.shape[-1] // 2)
+
+def _swiglu_numba(gu: torch.Tensor) -> torch.Tensor:
+    from kvcli.kernels.cpu import swiglu as kernels
+
+    rows = gu.reshape(-1, gu.shape[-1]).numpy()
+    out = kernels.rows_out(rows, torch.get_num_threads() if rows.shape[0] >= THREADED_ROWS else 1)
+    return torch.from_numpy(out).view(*gu.shape[:-1], gu.shape[-1] // 2)
 
 
 def compiled_on_cpu() -> bool:

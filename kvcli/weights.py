@@ -925,10 +925,12 @@ def _file_slab_products(form: FileBlocks, x: torch.Tensor, slab, rows_a_step: in
 
 
 def _file_slab(form: FileBlocks, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """ROWS for FileBlocks: rows start..stop-1 decoded by the type's kernel into the thread's scratch, as W.T."""
-    out = _scratch(form.k * (stop - start)).view(stop - start, form.k)
+    """ROWS for FileBlocks: rows start..stop-1 decoded by the type's kernel into the thread's scratch, as W.T (another
+    dtype: rounded into that dtype's scratch)."""
+    n = form.k * (stop - start)
+    out = _scratch(n).view(stop - start, form.k)
     _cpu_kernel("ggml_rows").dequantize(form.type, form.raw, start, stop, out.numpy())
-    return out.T if dtype == torch.float32 else out.T.to(dtype)
+    return out.T if dtype == torch.float32 else _scratch(n, dtype).view(stop - start, form.k).copy_(out).T
 
 
 def _file_blocks_product(kernel: str):

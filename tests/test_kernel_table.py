@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 
+import numpy as np
 import pytest
 import torch
 
@@ -280,6 +281,16 @@ def test_swiglu_entries(entry, key):
         gate, up = gu.double().chunk(2, dim=-1)
         want = gate * torch.sigmoid(gate) * up
         torch.testing.assert_close(entry.run(gu).double(), want, rtol=entry.tol, atol=entry.tol)
+
+
+def test_a_batchs_swiglu_over_threads_equals_one_threads():
+    """The CPU's SwiGLU split over threads (a prompt's batch) gives each row the bits of the one-thread pass (decode's)."""
+    kernels = pytest.importorskip("kvcli.kernels.cpu.swiglu")
+    if kernels.numba is None:
+        pytest.skip("numba is not installed")
+    gu = (torch.randn(33, 2 * 320, generator=torch.Generator().manual_seed(3)) * 6).numpy()
+    np.testing.assert_array_equal(kernels.rows_out(gu, 2), kernels.swiglu(gu))
+    np.testing.assert_array_equal(kernels.rows_out(gu[:1], 2)[0], kernels.swiglu(gu)[0])
 
 
 def test_every_role_has_a_reference_and_every_entry_a_name():

@@ -49,10 +49,11 @@ def _to_tiles(raw, tiles, lo, hi, units, qh):
                         tiles[t, o + 8 * qh + 2 * r + e] = np.uint16(word)
 
 
-@jit
+@jit_threaded
 def _from_tiles(tiles, raw, lo, hi, units, qh):
-    """_to_tiles' inverse for tiles lo..hi-1 into raw's rows 0 .. 8 (hi - lo) - 1."""
-    for t in range(lo, hi):
+    """_to_tiles' inverse for tiles lo..hi-1 into raw's rows 0 .. 8 (hi - lo) - 1 (threaded: a batch's slabs put back
+    took 7% of Qwen's pp512 in one thread)."""
+    for t in numba.prange(lo, hi):
         for b in range(raw.shape[1] // units):
             o, dst = 8 * b * units, b * units
             for u in range(units):
