@@ -80,8 +80,8 @@ class Llama:
         ctx_size: cache cells per sequence (0: the model's trained context).
         dtype: compute dtype, f32, f16 or bf16: of the activations, and of matrices kept dense
             under native weights (a type with no packed form).
-        weights: native (each matrix in the resident form of its GGUF type, kvcli.weights: Q4_0/Q4_1/Q4_K
-            packed int4, Q8_0 int8, others dense at dtype; a --shape model's matrices as Q4_0), f16 or
+        weights: native (each matrix in the resident form of its GGUF type, kvcli.weights: the ggml types in
+            the file's blocks, others dense at dtype; a --shape model's matrices as Q4_0), f16 or
             f32 (every matrix dense; f32 is the exact reference).
         cache_type_k, cache_type_v, cache_type_h, cache_mode: the cache choice, as -ctk/-ctv/-cth/--cache-mode
             (cache_mode auto: hidden only where it is smaller than K+V).

@@ -28,9 +28,8 @@ HF_BOUND = 1e-4  # kvcli f32 against transformers f32: summation order only
 
 
 def native_form(tensors: dict, name: str) -> str:
-    """The resident form a matrix should get under native weights at --dtype f32: Q4_K as int4 tiles and Q8_0 as
-    int8 ones where the VNNI kernel runs (Q4_K also where torch's int4 GEMM is the best there is), regrouped by 8 rows
-    where ggml_tiles' AVX2 kernel runs and its rows are whole tiles (not an embedding only looked up), the others in
+    """The resident form a matrix should get under native weights at --dtype f32: Q4_K as int4 tiles where torch's
+    int4 GEMM is the best there is (no AVX2), regrouped by 8 rows where ggml_tiles' AVX2 kernel runs and its rows are whole tiles (not an embedding only looked up), the others in
     the file's own blocks."""
     return tensor_form(tensors, name, "native", "f32", "cpu") if tensors[name].tensor_type.name in FILE_BLOCKS \
         else "f32"

@@ -188,9 +188,9 @@ def parse_device(value: str) -> str:
 
 DtypeOpt = typer.Option("f16", "--dtype", help="Compute dtype of the activations (and of matrices kept dense): f16 "
                                                "(the default), bf16, or f32 (the exact reference, with --weights f32).")
-WeightsOpt = typer.Option("native", "--weights", help="Resident weights: native (Q4_0/Q4_1/Q4_K packed int4, Q8_0 "
-                                                      "int8 where the VNNI kernel runs, the other ggml types in "
-                                                      "the file's own blocks, the rest dense at --dtype; the "
+WeightsOpt = typer.Option("native", "--weights", help="Resident weights: native (the ggml types in the "
+                                                      "file's own blocks, regrouped 8 rows at a time with AVX2; "
+                                                      "Q4_* packed int4 without AVX2; the rest dense at --dtype; the "
                                                       "default), f16, or f32 (every matrix dense; f32 is the "
                                                       "exact reference).")
 
