@@ -919,9 +919,12 @@ def _file_slab_products(form: FileBlocks, x: torch.Tensor, slab, rows_a_step: in
     N, K = form.shape
     step = max(rows_a_step, SLAB_ELEMS // K // rows_a_step * rows_a_step)
     xd = x.to(dtype)
-    parts = [xd @ slab(s, min(s + step, N), dtype) for s in range(0, N, step)]
-    y = parts[0] if len(parts) == 1 else torch.cat(parts, -1)
-    return y.float()
+    if step >= N:
+        return (xd @ slab(0, N, dtype)).float()
+    y = x.new_empty(*x.shape[:-1], N, dtype=torch.float32)  # each slab's product lands in place (f32), no concat
+    for s in range(0, N, step):
+        y[..., s : min(s + step, N)] = xd @ slab(s, min(s + step, N), dtype)
+    return y
 
 
 def _file_slab(form: FileBlocks, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
