@@ -34,12 +34,14 @@ from kvcli.kernel_table import ATTEND, HIDDEN, QUANTIZE, WRITE, Entry
 from kvcli.kernels.layout import DENSE_KINDS, GGML_KINDS, DecodeWindow, Kind
 from kvcli.memory import MIB
 
-# f32 scratch budget per chunk of positions, in bytes: a chunk's K (B, Hkv, n, D) and its scores
-# (B, Hkv, G*T, n) each stay within it, so a long prefill (T = 512: G*T rows) holds a few of these at a
-# time, never scores over the whole context. Below glibc's largest mmap threshold (32 MiB), so the heap
-# reuses the buffers instead of faulting fresh pages in for every chunk.
-CHUNK_BYTES = 16 * MIB
+# f32 scratch budget per chunk of positions, in bytes: a chunk's K (B, Hkv, n, D) and the scores of a block of
+# query rows (B, Hkv, ROW_BLOCK, n) each stay within it, so a long prefill holds a few of these at a time, never
+# scores over the whole context, and the softmax's passes over a block's scores (max, exp, sum, the values'
+# product) read them from the CPU's cache: 2 MiB against 16 MiB made Qwen's and SmolLM2's prefill attention at depth
+# 4096 ~1.5x faster (benchmarks/README.md). Below glibc's mmap threshold, so the heap reuses the buffers.
+CHUNK_BYTES = 2 * MIB
 MIN_CHUNK = 256
+ROW_BLOCK = 256  # query rows (of a prefill's G*T) an online softmax takes at a time
 
 
 def device_of(x: torch.Tensor | str | torch.device) -> str:
@@ -138,32 +140,52 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     # Group the query heads of each KV head: (B, Hkv, G*T, D); row r = g*T + t. No K/V repeat.
     qm = q.reshape(B, T, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * T, D) * (1.0 / math.sqrt(D))
     qg = cache.k.to_storage(qm)  # the stores' space; the window is read in the model's (qm)
-    key_bias = getattr(cache, "key_bias", None)
-    chunk = chunk_positions(B, Hkv, G * T, D)
     # Query row r sits at position i = pos + r % T and reads the store below lim_i: lim_i = i + 1 (causal)
     # without a window, max(i - N + 1, recent.start) with one (the rest, up to i, from the window).
     # first / last: the smallest and largest lim; the store is read below `last`.
-    q_pos = lim = None
     if torch.is_tensor(pos) and recent is not None:  # one query per sequence, each at its own position
-        first, last, lim = recent.start, recent.high, recent.lim  # lim per sequence, (B, 1, 1, 1)
-    elif torch.is_tensor(pos):
+        lim = recent.lim  # per sequence, (B, 1, 1, 1)
+        return _heads_out(_rows_out(qm, qg, cache, layer, recent.start, recent.high, lim, None, flash, recent), T)
+    if torch.is_tensor(pos):
         at = pos.tolist()
-        first, last = min(at) + 1, max(at) + 1
-        lim = (pos + 1).view(B, 1, 1, 1)
-    elif recent is None:
-        first, last = pos + 1, pos + T
-    else:
-        first, last = max(pos - recent.size + 1, recent.start), max(pos + T - recent.size, recent.start)
-    if T > 1:  # per-row limits, (G*T, 1): a mask for T > 1 only
-        q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]
-        lim = q_pos + 1 if recent is None else (q_pos - recent.size + 1).clamp_min(recent.start)
+        return _heads_out(_rows_out(qm, qg, cache, layer, min(at) + 1, max(at) + 1, (pos + 1).view(B, 1, 1, 1),
+                                    None, flash, recent), T)
+    if T == 1:
+        first = last = pos + 1 if recent is None else max(pos - recent.size + 1, recent.start)
+        return _heads_out(_rows_out(qm, qg, cache, layer, first, last, None, None, flash, recent), T)
+    # T > 1: per-row limits (G*T, 1), and the rows in blocks of ROW_BLOCK: a block's scores against a chunk of
+    # the store stay small enough to be read again from cache by the softmax's passes, and a block skips the
+    # chunks past its own last row (the causal triangle's far half).
+    q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]
+    lim = q_pos + 1 if recent is None else (q_pos - recent.size + 1).clamp_min(recent.start)
+    if not flash:
+        first, last = int(lim.min()), int(lim.max())
+        return _heads_out(_rows_out(qm, qg, cache, layer, first, last, lim, q_pos, flash, recent), T)
+    out = torch.empty_like(qm)
+    for r0 in range(0, G * T, ROW_BLOCK):
+        r1 = min(r0 + ROW_BLOCK, G * T)
+        lim_b = lim[r0:r1]
+        out[:, :, r0:r1] = _rows_out(qm[:, :, r0:r1], qg[:, :, r0:r1], cache, layer, int(lim_b.min()),
+                                     int(lim_b.max()), lim_b, q_pos[r0:r1], flash, recent)
+    return _heads_out(out, T)
 
-    def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, G*T, c1 - c0)
+
+def _rows_out(qm: torch.Tensor, qg: torch.Tensor, cache, layer: int, first: int, last: int,
+              lim: torch.Tensor | None, q_pos: torch.Tensor | None, flash: bool, recent: Recent | None) -> torch.Tensor:
+    """Query rows qm (B, Hkv, R, D) in the model's space, scaled (qg: the same in the stores' space), each reading
+    the store below its lim ((R, 1), or (B, 1, 1, 1) per sequence; None: `first` for every row) and the window's
+    positions from lim to its own q_pos ((R, 1); None: all of them) -> (B, Hkv, R, D) in the model's space.
+    first / last: the smallest and largest lim."""
+    B, Hkv, R, D = qm.shape
+    key_bias = getattr(cache, "key_bias", None)
+    chunk = chunk_positions(B, Hkv, R, D)
+
+    def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, R, c1 - c0)
         s = cache.k.scores(layer, qg, c0, c1)  # a fresh tensor: changed in place below
         if key_bias is not None:  # keys stored less their bias: q . R(p) b back (kvcli/cache/key_bias.py)
             s.add_(key_bias.scores(layer, qm, c0, c1))
-        if c1 > first:  # the chunk reaches a row's limit: that row reads no further here
-            s.masked_fill_(torch.arange(c0, c1, device=q.device) >= lim, float("-inf"))
+        if c1 > first and lim is not None:  # the chunk reaches a row's limit: that row reads no further here
+            s.masked_fill_(torch.arange(c0, c1, device=qm.device) >= lim, float("-inf"))
         return s
 
     # (scores, p -> p . V) per part, in the order the softmax reads them: the window first (every row
@@ -173,12 +195,12 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     if recent is not None:
         kw, vw = recent.k, recent.v  # (B, Hkv, n, D) f32
 
-        def window_scores() -> torch.Tensor:  # (B, Hkv, G*T, n)
+        def window_scores() -> torch.Tensor:  # (B, Hkv, R, n)
             s = qm @ kw.transpose(-1, -2)
             if recent.masked is not None:  # rows at their own positions: each reads its own slots
                 s = s.masked_fill(recent.masked, float("-inf"))
-            elif T > 1:  # row r reads lim_r..its own position here
-                j = torch.arange(recent.start, recent.start + kw.shape[2], device=q.device)
+            elif q_pos is not None:  # row r reads lim_r..its own position here
+                j = torch.arange(recent.start, recent.start + kw.shape[2], device=qm.device)
                 s = s.masked_fill((j < lim) | (j > q_pos), float("-inf"))
             return s
 
@@ -192,17 +214,17 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     if len(parts) == 1:  # one chunk: plain softmax, the common case
         s, weighted_sum = parts[0]
         out = weighted_sum(torch.softmax(s(), dim=-1))
-        return _heads_out(out if model else cache.v.from_storage(out), T)
+        return out if model else cache.v.from_storage(out)
     if not flash or last <= chunk:  # materialized scores (-fa off, or one chunk and the window), V by part
         ss = [s() for s, _ in parts]
         p = torch.softmax(torch.cat(ss, -1), -1).split([x.shape[-1] for x in ss], -1)
         first, out = parts[0][1](p[0]), parts[1][1](p[1])
         for (_, weighted_sum), pi in zip(parts[2:], p[2:]):
             out = out + weighted_sum(pi)
-        return _heads_out(cache.v.from_storage(out) + first if model else cache.v.from_storage(first + out), T)
-    m = torch.full((B, Hkv, G * T, 1), float("-inf"), device=q.device)
-    l = torch.zeros((B, Hkv, G * T, 1), device=q.device)
-    out = torch.zeros((B, Hkv, G * T, D), device=q.device)
+        return cache.v.from_storage(out) + first if model else cache.v.from_storage(first + out)
+    m = torch.full((B, Hkv, R, 1), float("-inf"), device=qm.device)
+    l = torch.zeros((B, Hkv, R, 1), device=qm.device)
+    out = torch.zeros((B, Hkv, R, D), device=qm.device)
     for i, (s, weighted_sum) in enumerate(parts):
         s = s()
         m_new = torch.maximum(m, s.amax(dim=-1, keepdim=True))  # finite: every row sees a key in part 0
@@ -212,7 +234,7 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
         pv = weighted_sum(p)
         out = out * scale + (cache.v.to_storage(pv) if model and i == 0 else pv)
         m = m_new
-    return _heads_out(cache.v.from_storage(out / l), T)
+    return cache.v.from_storage(out / l)
 
 
 def _heads_out(out: torch.Tensor, T: int) -> torch.Tensor:

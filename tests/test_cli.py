@@ -137,12 +137,13 @@ def test_flash_attn_flag(tiny, monkeypatch):
 
 
 def test_a_long_prefill_reads_the_cache_in_chunks_of_bounded_scores():
-    """A 512-token batch of a 7:1 GQA model (Qwen2.5-0.5B's 14 query and 2 KV heads, D 64) at 32k: its scores
-    (B, Hkv, G*T, n) per chunk stay within the scratch budget, not 940 MB over the whole context."""
-    from kvcli.attention import CHUNK_BYTES, MIN_CHUNK, chunk_positions
+    """A 512-token batch of a 7:1 GQA model (Qwen2.5-0.5B's 14 query and 2 KV heads, D 64) at 32k: the scores of a
+    block of its rows (B, Hkv, ROW_BLOCK, n) per chunk stay within the scratch budget, not 940 MB over the whole
+    context."""
+    from kvcli.attention import CHUNK_BYTES, MIN_CHUNK, ROW_BLOCK, chunk_positions
 
-    n = chunk_positions(1, 2, 7 * 512, 64)
-    assert MIN_CHUNK <= n < 32768 and 4 * 2 * 7 * 512 * n <= CHUNK_BYTES
+    n = chunk_positions(1, 2, ROW_BLOCK, 64)
+    assert ROW_BLOCK < 7 * 512 and MIN_CHUNK <= n < 32768 and 4 * 2 * ROW_BLOCK * n <= CHUNK_BYTES
     assert 4 * 2 * chunk_positions(1, 2, 7, 64) * 64 <= CHUNK_BYTES  # a decode step: K's chunk is the larger
     assert chunk_positions(64, 8, 4096, 128) == MIN_CHUNK
 

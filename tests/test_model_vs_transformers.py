@@ -39,12 +39,13 @@ def test_token_by_token_logits_equal(pair):
 
 
 def test_small_batches_and_chunked_attention(pair, monkeypatch):
-    """Prefill in 3-token batches with 8-position attention chunks (online softmax path)."""
+    """Prefill in 3-token batches with 8-position attention chunks (online softmax path) and blocks of 4 query rows."""
     import kvcli.attention
 
     hf, path = pair
     monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 1)  # -> the 256-position minimum
     monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 8)
+    monkeypatch.setattr(kvcli.attention, "ROW_BLOCK", 4)
     llm = Llama(path, ctx_size=64, dtype="f32", cache_type_k="f32", cache_type_v="f32", batch_size=3)
     llm.eval(IDS[:7])
     steps = [llm.eval(IDS[7:12])] + [llm.eval([t]) for t in IDS[12:]]
