@@ -26,12 +26,12 @@ from kvcli.errors import KvcliError
 from kvcli.sampler import Sampler
 from kvcli.timings import Timings
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
-from kvcli.weights import WEIGHTS, load, tensor_form
+from kvcli.weights import WEIGHTS, joined_buffers, load, tensor_form
 from kvcli.rope import rope_
 from kvcli.weights import warm_up as weights_warm_up
 from kvcli.weights import rms_norm
 from kvcli.memory import check_fits, return_freed_memory
-from kvcli.model import Transformer, dtype_from_name
+from kvcli.model import FUSED, Transformer, dtype_from_name
 from kvcli.pull import pull_default
 from kvcli.cache.layers import for_layers
 from kvcli.shapes import random_forms, resident_weight_bytes, shape_config, synthetic_types, weight_bytes
@@ -170,12 +170,16 @@ class Llama:
             # Straight from the memory map to the resident form, one tensor at a time (peak: the
             # resident weights plus one tensor's copy); norms stay f32.
             tensors = {}
+            forms = {n: tensor_form(self.gguf.tensors, n, weights, dtype, device) for n in names
+                     if len(self.gguf.tensors[n].shape) > 1}
+            groups = [tuple(f"blk.{i}.{m}" for m in group) for i in range(file_config.n_layers) for group in FUSED]
+            into = joined_buffers(self.gguf.tensors, [g for g in groups if all(n in forms for n in g)], forms)
             for n in names:
                 t = self.gguf.tensors[n]
                 if len(t.shape) == 1:
                     tensors[n] = torch.from_numpy(read_tensor(self.gguf, n))
                 else:
-                    form = load(t, tensor_form(self.gguf.tensors, n, weights, dtype, device), dtype)
+                    form = load(t, forms[n], dtype, into.get(n))
                     tensors[n] = form.to(device) if device != "cpu" else form
                     self.gguf.drop_pages()  # the file's pages read for it: peak = resident + one tensor
         self.device = device

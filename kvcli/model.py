@@ -30,6 +30,11 @@ def _form(w, dtype: torch.dtype):
     return w if hasattr(w, "matmul") else Dense(w.to(dtype))
 
 
+# A layer's matrices one product takes fused (wqkv, w_gate_up), in their order: kvcli.llama loads each group's
+# tiles into one buffer (weights.joined_buffers), so that joining them is a view.
+FUSED = (("attn_q.weight", "attn_k.weight", "attn_v.weight"), ("ffn_gate.weight", "ffn_up.weight"))
+
+
 class Block(nn.Module):
     def __init__(self, c: ModelConfig, w: dict, i: int, dtype: torch.dtype, layer: int | None = None):
         """i: the file's layer (its tensors' names); layer: the cache's (a pipeline stage's own count, kvcli/pipeline.py;
@@ -43,9 +48,10 @@ class Block(nn.Module):
         # Fused projections: one product for q,k,v and one for gate,up (fewer ops per token);
         # forms live on their device already (kvcli.llama loads them there). The matrices are taken
         # out of w, so that each layer's parts are freed once joined (load peak: one layer's copy).
-        self.wqkv = cat([_form(w.pop(p + n), dtype) for n in ("attn_q.weight", "attn_k.weight", "attn_v.weight")])
+        qkv, gate_up = FUSED
+        self.wqkv = cat([_form(w.pop(p + n), dtype) for n in qkv])
         self.wo = _form(w.pop(p + "attn_output.weight"), dtype)
-        self.w_gate_up = cat([_form(w.pop(p + n), dtype) for n in ("ffn_gate.weight", "ffn_up.weight")])
+        self.w_gate_up = cat([_form(w.pop(p + n), dtype) for n in gate_up])
         self.w_down = _form(w.pop(p + "ffn_down.weight"), dtype)
         self.dtype = dtype
         # qwen2: one f32 bias for the fused q,k,v rows; qwen3: each Q head's and K head's norm weight, (H + Hkv, D)

@@ -509,10 +509,14 @@ class FileTiles(FileBlocks):
         self.per_tile = tiles.shape[1] // (k // elements * block_bytes)  # rows a tile holds
 
     @classmethod
-    def of(cls, raw: np.ndarray, ggml_type: str, k: int, mapped: bool = False) -> FileTiles:
+    def of(cls, raw: np.ndarray, ggml_type: str, k: int, mapped: bool = False,
+           into: np.ndarray | None = None) -> FileTiles:
         """Regrouped from raw (N, row bytes); mapped: raw is a view of the file's memory map, whose pages are let
-        go as they are read (they would count in RSS beside the tiles until the load's end)."""
-        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw, drop_view_pages if mapped else None, mapped_empty),
+        go as they are read (they would count in RSS beside the tiles until the load's end); into: the (N / 8,
+        8 row bytes) uint8 to write the tiles to (a slice of a fused product's buffer: joined_buffers), else a new
+        anonymous map."""
+        empty = mapped_empty if into is None else lambda shape, dtype: into
+        return cls(_cpu_kernel("ggml_tiles").retile(ggml_type, raw, drop_view_pages if mapped else None, empty),
                    ggml_type, k)
 
     @property
@@ -614,9 +618,61 @@ class Concat:
 
 
 def _joined(arrays: list[np.ndarray]) -> np.ndarray:
-    """numpy arrays stacked along their first axis into an anonymous map (memory.mapped_empty: a load's copy)."""
+    """numpy arrays stacked along their first axis: a view where they lie one after another in one buffer (the
+    tiles of a fused product written into joined_buffers' slices), else a copy into an anonymous map
+    (memory.mapped_empty: a load's copy)."""
+    view = _adjacent_view(arrays)
+    if view is not None:
+        return view
     out = mapped_empty((sum(a.shape[0] for a in arrays), *arrays[0].shape[1:]), arrays[0].dtype)
     return np.concatenate(arrays, out=out)
+
+
+def _adjacent_view(arrays: list[np.ndarray]) -> np.ndarray | None:
+    """The arrays (C-contiguous, one row width and dtype) as one view of the one flat array they all slice, where
+    each starts where the one before ends; else None."""
+    roots = []
+    for a in arrays:
+        root = a
+        while isinstance(root.base, np.ndarray):
+            root = root.base
+        roots.append(root)
+    first = arrays[0]
+    if (any(r is not roots[0] for r in roots) or isinstance(roots[0], np.memmap)  # the file's map: its blocks copied
+            or roots[0].ndim != 1 or not roots[0].flags.c_contiguous
+            or any(not a.flags.c_contiguous or a.shape[1:] != first.shape[1:] or a.dtype != first.dtype
+                   for a in arrays)):
+        return None
+    at = [a.__array_interface__["data"][0] for a in arrays]
+    if any(at[i] + arrays[i].nbytes != at[i + 1] for i in range(len(arrays) - 1)):
+        return None
+    root = roots[0]
+    start = (at[0] - root.__array_interface__["data"][0]) // root.itemsize
+    count = sum(a.size for a in arrays)
+    return root[start : start + count].view(first.dtype).reshape(-1, *first.shape[1:])
+
+
+def joined_buffers(tensors: dict, groups: list[tuple[str, ...]], forms: dict) -> dict[str, np.ndarray]:
+    """For each group of matrices that one product takes fused (a layer's q, k, v; gate, up) whose forms are the
+    same FileTiles type: one anonymous map for all their tiles, and each matrix's slice of it by name, for its
+    retile to write to. cat then joins them as a view of that map: no second copy of the layer's bytes (a load's
+    time, and its peak)."""
+    out = {}
+    for names in groups:
+        kinds = {forms.get(n) for n in names}
+        if len(kinds) != 1 or not str(next(iter(kinds))).endswith("x8"):
+            continue
+        ts = [tensors[n] for n in names]
+        if len({int(t.shape[0]) for t in ts}) != 1:
+            continue
+        rows = _cpu_kernel("vectors").TILE_ROWS
+        shapes = [(matrix_rows(t) // rows, int(t.n_bytes) // matrix_rows(t) * rows) for t in ts]
+        flat = mapped_empty((sum(a * b for a, b in shapes),), np.uint8)
+        at = 0
+        for n, (tiles, width) in zip(names, shapes):
+            out[n] = flat[at : at + tiles * width].reshape(tiles, width)
+            at += tiles * width
+    return out
 
 
 def cat(forms: list):
@@ -817,9 +873,10 @@ def random_q4_0(n: int, k: int, generator: torch.Generator, form: str = "q4_0", 
     return FileBlocks(raw.reshape(n, -1), "Q4_0", k)
 
 
-def load(tensor, form: str, dtype: str = "f32"):
+def load(tensor, form: str, dtype: str = "f32", into: np.ndarray | None = None):
     """A gguf.ReaderTensor (over the memory map) -> its resident form, holding one tensor's copy at most.
-    dtype: the GEMM dtype of Blocks' batches (the compute dtype).
+    dtype: the GEMM dtype of Blocks' batches (the compute dtype); into: where a FileTiles form's tiles go
+    (joined_buffers), else a new map.
 
     ggml blocks of 32: Q4_0 = f16 d, 16 bytes of codes (element j in the low nibble of byte j,
     j + 16 in the high one), w = d (q - 8); Q4_1 = f16 d, f16 m, 16 bytes, w = d q + m =
@@ -855,7 +912,7 @@ def load(tensor, form: str, dtype: str = "f32"):
     if form.upper().removesuffix("X8") in FILE_BLOCKS:  # the memory map's bytes as they lie: no copy, nothing decoded
         raw = np.asarray(tensor.data).reshape(n, -1)
         if form.endswith("x8"):  # 8 rows' blocks regrouped for the AVX2 decode kernel: a copy
-            tiles = FileTiles.of(raw, tensor.tensor_type.name, k, mapped=True)
+            tiles = FileTiles.of(raw, tensor.tensor_type.name, k, mapped=True, into=into)
             _check_file_scales(tensor.name, tiles.tiles, tensor.tensor_type.name, tiled=True)
             return tiles
         _check_file_scales(tensor.name, raw, tensor.tensor_type.name)

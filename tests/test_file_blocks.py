@@ -17,7 +17,8 @@ from kvcli.llama import Llama
 from kvcli.sampler import Sampler
 from kvcli.shapes import weight_bytes
 from kvcli.errors import KvcliError
-from kvcli.weights import DOT_TOL, F16_FIELDS, FILE_GEMV_ROWS, batch_dtype, FILE_BLOCKS, FileBlocks, FileTiles, _check_file_scales, load, resident_form
+from kvcli.model import FUSED
+from kvcli.weights import DOT_TOL, _joined, F16_FIELDS, FILE_GEMV_ROWS, batch_dtype, FILE_BLOCKS, FileBlocks, FileTiles, _check_file_scales, load, resident_form
 from tests.test_weights import assert_products_near_f64, runnable
 from tests.tiny import make_hf_model, write_gguf
 
@@ -189,6 +190,33 @@ def test_load_keeps_the_files_bytes_in_place(tmp_path):
     assert form.nbytes == t.n_bytes and np.shares_memory(form.raw, np.asarray(t.data))
     assert not form.raw.flags.writeable
     np.testing.assert_array_equal(form.dequantize().numpy(), read_tensor(g, "blk.0.ffn_down.weight"))
+
+
+def test_a_fused_products_tiles_load_into_one_buffer(tmp_path):
+    """A layer's q, k, v (and gate, up) of one FileTiles type are regrouped straight into one buffer
+    (weights.joined_buffers): the fused product's tiles are a view of it, no second copy, holding the file's rows of
+    the parts in order."""
+    if "Q5_0" not in tile_types():
+        pytest.skip("ggml_tiles does not run here")
+    path = _model(tmp_path, "Q5_0")
+    g, llm = open_gguf(path), Llama(path, ctx_size=32)
+    for i, block in enumerate(llm.model.blocks):
+        for form, names in ((block.wqkv, FUSED[0]), (block.w_gate_up, FUSED[1])):
+            parts = [g.tensors[f"blk.{i}.{n}"] for n in names]
+            blocks = [np.asarray(t.data).reshape(int(np.prod(t.shape[1:])), -1) for t in parts]
+            assert isinstance(form, FileTiles) and not form.tiles.flags.owndata
+            np.testing.assert_array_equal(form.raw, np.concatenate(blocks))
+
+
+def test_arrays_lying_one_after_another_join_as_a_view():
+    """_joined: slices of one buffer in order join as a view of it; apart, out of order or from the file's map
+    (np.memmap), as a copy; the values are the concatenation either way."""
+    flat = np.arange(60, dtype=np.uint8)
+    a, b, c = flat[:12].reshape(3, 4), flat[12:20].reshape(2, 4), flat[20:60].reshape(10, 4)
+    for parts, view in (([a, b, c], True), ([a, c], False), ([b, a], False), ([a.copy(), b], False)):
+        out = _joined(parts)
+        np.testing.assert_array_equal(out, np.concatenate(parts))
+        assert np.shares_memory(out, flat) == view
 
 
 @pytest.mark.parametrize("ggml_type", TYPES)
