@@ -86,6 +86,7 @@ def test_small_batches_and_chunked_attention(case, cache, monkeypatch):
     _, model, path, _ = case
     monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 1)  # -> the 256-position minimum
     monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 8)
+    monkeypatch.setattr(kvcli.attention, "ROW_BLOCK", 2)  # query rows in blocks (one block over a hidden cache)
     llm = Llama(path, ctx_size=64, dtype="f32", batch_size=3, **cache)
     llm.eval(IDS[:7])
     steps = [llm.eval(IDS[7:12])] + [llm.eval([t]) for t in IDS[12:]]
