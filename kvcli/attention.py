@@ -159,7 +159,7 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     # chunks past its own last row (the causal triangle's far half).
     q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]
     lim = q_pos + 1 if recent is None else (q_pos - recent.size + 1).clamp_min(recent.start)
-    if not flash:
+    if not flash or (recent is not None and recent.masked is not None):  # materialized; or a window's own mask
         first, last = int(lim.min()), int(lim.max())
         return _heads_out(_rows_out(qm, qg, cache, layer, first, last, lim, q_pos, flash, recent), T)
     return _heads_out(_blocks_out(qm, qg, cache, layer, lim, q_pos, recent), T)
