@@ -29,7 +29,6 @@ import numpy as np
 import torch
 
 from kvcli import kernel_table as table
-from kvcli.cache.base import Store
 from kvcli.cache.window import Recent
 from kvcli.kernel_table import ATTEND, HIDDEN, QUANTIZE, WRITE, Entry
 from kvcli.kernels.layout import DENSE_KINDS, GGML_KINDS, DecodeWindow, Kind
@@ -159,66 +158,25 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     # chunks past its own last row (the causal triangle's far half).
     q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]
     lim = q_pos + 1 if recent is None else (q_pos - recent.size + 1).clamp_min(recent.start)
-    if not flash or (recent is not None and recent.masked is not None):  # materialized; or a window's own mask
-        first, last = int(lim.min()), int(lim.max())
+    first, last = int(lim.min()), int(lim.max())
+    if not flash or (recent is not None and recent.masked is not None) or not _dense(cache):
+        # materialized (-fa off); a window's own mask; a store whose chunks are decoded (rotated, block types, the
+        # hidden cache): all rows at once, each chunk decoded once
         return _heads_out(_rows_out(qm, qg, cache, layer, first, last, lim, q_pos, flash, recent), T)
-    return _heads_out(_blocks_out(qm, qg, cache, layer, lim, q_pos, recent), T)
+    out = torch.empty_like(qm)
+    for r0 in range(0, G * T, ROW_BLOCK):
+        r1 = min(r0 + ROW_BLOCK, G * T)
+        lim_b = lim[r0:r1]
+        out[:, :, r0:r1] = _rows_out(qm[:, :, r0:r1], qg[:, :, r0:r1], cache, layer, int(lim_b.min()),
+                                     int(lim_b.max()), lim_b, q_pos[r0:r1], flash, recent)
+    return _heads_out(out, T)
 
 
-def _blocks_out(qm: torch.Tensor, qg: torch.Tensor, cache, layer: int, lim: torch.Tensor, q_pos: torch.Tensor,
-                recent: Recent | None) -> torch.Tensor:
-    """A batch's rows (T > 1) through the online softmax: qm, qg, lim, q_pos as _rows_out's, the rows in blocks of
-    ROW_BLOCK (one block where V's store makes its own weighted sums: the hidden cache) -> (B, Hkv, R, D) in the
-    model's space. Each chunk of the store is read (a rotated type's decoded, f16 widened) once for every block; a
-    block's scores against it stay small enough for the softmax's passes to read them from the CPU's cache, and a
-    block stops at its own last row's position (the causal triangle's far half)."""
-    B, Hkv, R, D = qm.shape
-    own_sums = type(cache.v).weighted_sum is not Store.weighted_sum
-    step = R if own_sums else ROW_BLOCK
-    blocks = [(r0, min(r0 + step, R), int(lim[r0 : r0 + step].min()), int(lim[r0 : r0 + step].max()))
-              for r0 in range(0, R, step)]
-    chunk = chunk_positions(B, Hkv, min(R, step), D)
-    key_bias = getattr(cache, "key_bias", None)
-    kq = None if key_bias is None else key_bias.query(layer, qm)  # q . R(p) b = kq . table[p]
-    m = torch.full((B, Hkv, R, 1), float("-inf"), device=qm.device)
-    l = torch.zeros((B, Hkv, R, 1), device=qm.device)
-    out = torch.zeros((B, Hkv, R, D), device=qm.device)
+def _dense(cache) -> bool:
+    """K and V stored as plain f32 / f16 / bf16 rows: a chunk read again for each row block costs a cast at most."""
+    from kvcli.cache.dense import DenseStore  # here: importing the cache package from this module's top reorders imports
 
-    def update(r0: int, r1: int, s: torch.Tensor, weighted_sum) -> None:  # s (B, Hkv, r1 - r0, n), changed
-        m_b = m[:, :, r0:r1]
-        m_new = torch.maximum(m_b, s.amax(dim=-1, keepdim=True))  # finite: every row sees a key in its first part
-        p = s.sub_(m_new).exp_()
-        scale = torch.exp(m_b - m_new)
-        l[:, :, r0:r1] = l[:, :, r0:r1] * scale + p.sum(dim=-1, keepdim=True)
-        out[:, :, r0:r1] = out[:, :, r0:r1] * scale + weighted_sum(p)
-        m[:, :, r0:r1] = m_new
-
-    # The window first (every row sees its own position there, so the online maximum is finite from the start), in
-    # the model's space (its K and V are not rotated: q is, once, for the stores); then the store's chunks.
-    if recent is not None:
-        kw, vw = recent.k, recent.v  # (B, Hkv, n, D) f32
-        j = torch.arange(recent.start, recent.start + kw.shape[2], device=qm.device)
-        for r0, r1, _, _ in blocks:  # row r reads lim_r..its own position here
-            s = (qm[:, :, r0:r1] @ kw.transpose(-1, -2)).masked_fill_((j < lim[r0:r1]) | (j > q_pos[r0:r1]),
-                                                                       float("-inf"))
-            update(r0, r1, s, lambda p: cache.v.to_storage(p @ vw))
-    last = max(b[3] for b in blocks)
-    for c0 in range(0, last, chunk):
-        c1 = min(c0 + chunk, last)
-        k = cache.k.load(layer, c0, c1)  # (B, Hkv, c1 - c0, D) f32, in the store's space
-        v = None if own_sums else cache.v.load(layer, c0, c1)
-        for r0, r1, first, stop in blocks:
-            if stop <= c0:
-                continue
-            e = min(c1, stop)  # this block reads below its largest lim
-            s = qg[:, :, r0:r1] @ k[:, :, : e - c0].transpose(-1, -2)
-            if kq is not None:  # keys stored less their bias: q . R(p) b back (kvcli/cache/key_bias.py)
-                s.add_(kq[:, :, r0:r1] @ key_bias.table[c0:e].T)
-            if e > first:  # the chunk reaches a row's limit: that row reads no further here
-                s.masked_fill_(torch.arange(c0, e, device=qm.device) >= lim[r0:r1], float("-inf"))
-            update(r0, r1, s, (lambda p, e=e: cache.v.weighted_sum(layer, p, c0, e)) if own_sums
-                   else (lambda p, e=e: p @ v[:, :, : e - c0]))
-    return cache.v.from_storage(out / l)
+    return isinstance(cache.k, DenseStore) and isinstance(cache.v, DenseStore)
 
 
 def _rows_out(qm: torch.Tensor, qg: torch.Tensor, cache, layer: int, first: int, last: int,
