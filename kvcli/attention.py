@@ -158,11 +158,11 @@ def attend_reference(q: torch.Tensor, cache, layer: int, pos: int | torch.Tensor
     # chunks past its own last row (the causal triangle's far half).
     q_pos = (pos + torch.arange(T, device=q.device)).repeat(G)[:, None]
     lim = q_pos + 1 if recent is None else (q_pos - recent.size + 1).clamp_min(recent.start)
-    first, last = int(lim.min()), int(lim.max())
     if not flash or (recent is not None and recent.masked is not None) or not _dense(cache):
         # materialized (-fa off); a window's own mask; a store whose chunks are decoded (rotated, block types, the
         # hidden cache): all rows at once, each chunk decoded once
-        return _heads_out(_rows_out(qm, qg, cache, layer, first, last, lim, q_pos, flash, recent), T)
+        return _heads_out(_rows_out(qm, qg, cache, layer, int(lim.min()), int(lim.max()), lim, q_pos, flash, recent),
+                          T)
     out = torch.empty_like(qm)
     for r0 in range(0, G * T, ROW_BLOCK):
         r1 = min(r0 + ROW_BLOCK, G * T)
