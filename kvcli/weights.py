@@ -792,7 +792,9 @@ def _check_file_scales(name: str, raw: np.ndarray, ggml_type: str, tiled: bool =
     block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
     if tiled:
         blocks = raw.reshape(-1, 8 * block_bytes)
-        highs = [blocks[:, 8 * at + 1 : 8 * at + 16 : 2] for at in F16_FIELDS[ggml_type]]
+        place = _cpu_kernel("ggml_tiles").unit_place
+        highs = [blocks[:, 16 * place(ggml_type, at // 2) + 1 : 16 * place(ggml_type, at // 2) + 16 : 2]
+                 for at in F16_FIELDS[ggml_type]]
     else:
         blocks = raw.reshape(-1, block_bytes)
         highs = [blocks[:, at + 1] for at in F16_FIELDS[ggml_type]]

@@ -18,26 +18,28 @@ import numpy as np
 from . import ggml_dot
 from .compile import available, jit, jit_threaded, numba
 from .ggml_rows import _threads
-from .vectors import TILE_ROWS, TILE_TYPES
+from .vectors import TILE_ROWS, TILE_TYPES, tile_order
 
 if numba is not None:
     from .vectors import ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4
 
-__all__ = ["TILE_ROWS", "TILE_TYPES", "available", "matmul", "retile", "untile", "warm_up"]
+__all__ = ["TILE_ROWS", "TILE_TYPES", "available", "matmul", "retile", "unit_place", "untile", "warm_up"]
 
 
 @jit_threaded
-def _to_tiles(raw, tiles, lo, hi, units, qh):
+def _to_tiles(raw, tiles, lo, hi, order, qh):
     """tiles[lo..hi-1] (T, 8 row units) <- raw (8 T, row units), in 16-bit units (every field starts at an even
-    byte): unit u of a row's block -> unit 8 u + r of the tile's; Q5_0 / Q5_1's fifth bits (qh >= 0: the first of
-    their two units) regrouped by lane: element 2c + e + 16h of row r -> bit c + 8h of the word at unit 8 qh + 2r + e
-    (the tile's lane 2r + e of a code run: one shift and one mask give a run's fifth bits, vectors.ggml_tile_dots)."""
+    byte): unit order[p] of a row's block -> unit 8 p + r of the tile's (vectors.tile_order); Q5_0 / Q5_1's fifth
+    bits (qh >= 0: the first of their two units, in place) regrouped by lane: element 2c + e + 16h of row r -> bit
+    c + 8h of the word at unit 8 qh + 2r + e (the tile's lane 2r + e of a code run: one shift and one mask give a
+    run's fifth bits, vectors.ggml_tile_dots)."""
+    units = order.shape[0]
     for t in numba.prange(lo, hi):
         for b in range(raw.shape[1] // units):
             o, src = 8 * b * units, b * units
-            for u in range(units):
+            for p in range(units):
                 for r in range(8):
-                    tiles[t, o + 8 * u + r] = raw[8 * t + r, src + u]
+                    tiles[t, o + 8 * p + r] = raw[8 * t + r, src + order[p]]
             if qh >= 0:
                 for r in range(8):
                     bits = np.uint32(raw[8 * t + r, src + qh]) | (np.uint32(raw[8 * t + r, src + qh + 1]) << 16)
@@ -50,15 +52,16 @@ def _to_tiles(raw, tiles, lo, hi, units, qh):
 
 
 @jit_threaded
-def _from_tiles(tiles, raw, lo, hi, units, qh):
+def _from_tiles(tiles, raw, lo, hi, order, qh):
     """_to_tiles' inverse for tiles lo..hi-1 into raw's rows 0 .. 8 (hi - lo) - 1 (threaded: a batch's slabs put back
     took 7% of Qwen's pp512 in one thread)."""
+    units = order.shape[0]
     for t in numba.prange(lo, hi):
         for b in range(raw.shape[1] // units):
             o, dst = 8 * b * units, b * units
-            for u in range(units):
+            for p in range(units):
                 for r in range(8):
-                    raw[8 * (t - lo) + r, dst + u] = tiles[t, o + 8 * u + r]
+                    raw[8 * (t - lo) + r, dst + order[p]] = tiles[t, o + 8 * p + r]
             if qh >= 0:
                 for r in range(8):
                     bits = np.uint32(0)
@@ -71,10 +74,14 @@ def _from_tiles(tiles, raw, lo, hi, units, qh):
                     raw[8 * (t - lo) + r, dst + qh + 1] = np.uint16(bits >> 16)
 
 
-def _layout(ggml_type: str) -> tuple[int, int]:
-    """(a block's 16-bit units, the first unit of its fifth bits to regroup or -1)."""
-    block = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
-    return block // 2, {"Q5_0": 1, "Q5_1": 2}.get(ggml_type, -1)
+def _layout(ggml_type: str) -> tuple[np.ndarray, int]:
+    """(a block's 16-bit units in the tile's order, the first unit of its fifth bits to regroup or -1)."""
+    return np.array(tile_order(ggml_type), np.int64), {"Q5_0": 1, "Q5_1": 2}.get(ggml_type, -1)
+
+
+def unit_place(ggml_type: str, unit: int) -> int:
+    """Where a block's 16-bit unit `unit` lies among a tile block's (its 8 rows' copies at 8 times that)."""
+    return tile_order(ggml_type).index(unit)
 
 
 def _units(a: np.ndarray) -> np.ndarray:

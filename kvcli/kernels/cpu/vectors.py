@@ -240,6 +240,21 @@ if numba is not None:
     def ir_load(builder, addr, ty):
         return builder.load(builder.inttoptr(addr, ty.as_pointer()), align=1)
 
+    class _OrderedLoad(ir.instructions.LoadInstr):
+        """A volatile load: LLVM keeps such loads in program order (llvmlite's builder has no volatile flag)."""
+
+        def descr(self, buf):
+            [ptr] = self.operands
+            buf.append(f"load volatile {self.type}, {ptr.type} {ptr.get_reference()}, align 1\n")
+
+    def ir_load_ordered(builder, addr, ty):
+        """ir_load that stays in program order among such loads: a stream read in the order its bytes lie, so the
+        CPU's prefetchers follow it (ggml_tile_dots: LLVM's own order of a Q6_K block's loads halved its rate from
+        DRAM)."""
+        load = _OrderedLoad(builder.block, builder.inttoptr(addr, ty.as_pointer()))
+        builder._insert(load)
+        return load
+
     def ir_store(builder, value, addr):
         builder.store(value, builder.inttoptr(addr, value.type.as_pointer()), align=1)
 
@@ -1127,7 +1142,26 @@ if numba is not None:
 # ---- 8 rows' blocks interleaved (ggml_tiles.py): the same 16-bit products with 8 rows in one vector's lanes ----
 TILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 TILE_ROWS = 8  # rows of W a tile interleaves: one int32 / f32 lane each
-TILE_PREFETCH = 4096  # bytes ahead of a block that it asks for: Q6_K's 1680-byte blocks streamed at half their cached rate
+
+
+def tile_order(name: str) -> tuple[int, ...]:
+    """A block's 16-bit units in the order a tile lays them (ggml_tiles.retile): the order _tile_body first reads
+    them, so that a tile is read front to back. From DRAM the order is the rate: a Q6_K block read as its file lays
+    it (d last, three runs 256 and 1024 bytes apart) streamed at 17 GB/s on 2 cores against 37 in this order; read
+    in L3 both run alike. Q5_K: its fifth bits beside the codes they complete. The other types: as the file."""
+    units = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1] // 2
+    if name == "Q6_K":  # d (unit 104); per half of each 128: ql's two runs and qh's, then the 4 scale units
+        order = [104]
+        for n in range(2):
+            for half in range(2):
+                for c in range(8 * half, 8 * half + 8):
+                    order += [32 * n + c, 32 * n + 16 + c, 64 + 16 * n + c]
+                if half == 0:
+                    order += [96 + 4 * n + k for k in range(4)]
+        return tuple(order)
+    if name == "Q5_K":  # d, dmin, scales (0-7); qs of the first 64 beside qh (8-23); the rest of qs
+        return tuple(range(8)) + tuple(u for c in range(16) for u in (24 + c, 8 + c)) + tuple(range(40, units))
+    return tuple(range(units))
 
 
 def ggml_tile_dots(kind, tiles, lo, hi, xi, xs, xsum, g0, y):
@@ -1144,8 +1178,9 @@ def ggml_tile_dots(kind, tiles, lo, hi, xi, xs, xsum, g0, y):
 
 if numba is not None:
 
-    def _tile_body(name, builder, at, unit_bytes, run, f16s, bytes8, madd, scale, mins):
-        """One block of 8 rows of type `name` at address `at`, emitted in the order its codes are made (each run's
+    def _tile_body(name, builder, unit_at, run, f16s, bytes8, madd, scale, mins):
+        """One block of 8 rows of type `name`, its 16-bit unit u at unit_at(u) (placed by tile_order), emitted in the
+        order its codes are made, which tile_order follows (each run's
         codes consumed at once: nothing held across the block): madd(slot, codes <16 x i16>, column) adds the int32
         sums of codes times x's pair of columns there into the sums `slot`; scale(slot, coef 8 x f32, column) adds
         those sums times coef times sx of the 32 columns at column into the rows' f32 sums (and clears the slot);
@@ -1160,10 +1195,10 @@ if numba is not None:
             has_min = name in ("Q4_1", "Q5_1")
             first = 1 + has_min + 2 * (name in ("Q5_0", "Q5_1"))  # the first code unit
             if name in ("Q5_0", "Q5_1"):  # lane l's 16 fifth bits: bit c + 8h for run c's half h (ggml_tiles)
-                fifth = ir_load(builder, builder.add(at, ir.Constant(_I64, unit_bytes * (1 + has_min))), _V16S)
+                fifth = ir_load_ordered(builder, unit_at(1 + has_min), _V16S)
             for c in range(16 if name == "Q8_0" else 8):
                 if name == "Q8_0":
-                    raw = ir_load(builder, builder.add(at, ir.Constant(_I64, unit_bytes * (1 + c))), _V16B)
+                    raw = ir_load_ordered(builder, unit_at(1 + c), _V16B)
                     madd(0, builder.sext(raw, _V16S), 2 * c)
                     continue
                 wide = run(first + c)
@@ -1230,9 +1265,6 @@ if numba is not None:
                 one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
                 return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
 
-            prefetch = cgutils.get_or_insert_function(
-                builder.module, ir.FunctionType(ir.VoidType(), [_I8.as_pointer(), _I32, _I32, _I32]), "llvm.prefetch")
-            prefetch_flags = ir.Constant(_I32, 0), ir.Constant(_I32, 3), ir.Constant(_I32, 1)  # read, keep, data
             with cgutils.for_range(builder, builder.sub(hi, lo)) as tile:
                 t = builder.add(lo, tile.index)
                 for g in range(ng):
@@ -1245,16 +1277,17 @@ if numba is not None:
                     switch.add_case(ir.Constant(_I64, k), case)
                     builder.position_at_end(case)
                     qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+                    pos = {u: p for p, u in enumerate(tile_order(name))}  # a block's unit -> its place in the tile
                     with cgutils.for_range(builder, builder.udiv(K, c64(qk))) as blk:
                         b = blk.index
                         at = builder.add(t_row, builder.mul(b, c64(bb * TILE_ROWS)))
                         col0 = builder.mul(b, c64(qk))  # the block's first column
-                        for line in range(0, bb * TILE_ROWS, 64):  # the bytes TILE_PREFETCH ahead (tiles lie in a row)
-                            ahead = builder.inttoptr(builder.add(at, c64(TILE_PREFETCH + line)), _I8.as_pointer())
-                            builder.call(prefetch, [ahead, *prefetch_flags])
 
-                        def run(unit, at=at):
-                            return builder.zext(ir_load(builder, builder.add(at, c64(unit_bytes * unit)), _V16B), _V16S)
+                        def unit_at(unit, at=at, pos=pos):  # every load of W's bytes in order (ir_load_ordered)
+                            return builder.add(at, c64(unit_bytes * pos[unit]))
+
+                        def run(unit):
+                            return builder.zext(ir_load_ordered(builder, unit_at(unit), _V16B), _V16S)
 
                         def pair(g, col, col0=col0):
                             addr = builder.add(x_i[g], builder.mul(builder.add(col0, c64(col)), c64(2)))
@@ -1262,12 +1295,12 @@ if numba is not None:
                                                          ir.Constant(_I32, 0))
                             return builder.bitcast(builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8)), _V16S)
 
-                        def f16s(unit, at=at):
-                            return builder.fpext(ir_load(builder, builder.add(at, c64(unit_bytes * unit)),
-                                                         ir.VectorType(ir.HalfType(), 8)), _V8F)
+                        def f16s(unit):
+                            return builder.fpext(ir_load_ordered(builder, unit_at(unit), ir.VectorType(ir.HalfType(), 8)),
+                                                 _V8F)
 
-                        def bytes8(byte, at=at):  # byte `byte` of the 8 rows' blocks: in unit byte // 2, every other
-                            v = ir_load(builder, builder.add(at, c64(unit_bytes * (byte // 2))), _V16B)
+                        def bytes8(byte):  # byte `byte` of the 8 rows' blocks: in unit byte // 2, every other
+                            v = ir_load_ordered(builder, unit_at(byte // 2), _V16B)
                             pick = builder.shuffle_vector(v, v, ir.Constant(_V8I, [2 * r + byte % 2 for r in range(8)]))
                             return builder.zext(pick, _V8I)
 
@@ -1294,7 +1327,7 @@ if numba is not None:
                             for g in range(ng):
                                 builder.store(builder.call(fma, [coef, per_32(x_sum, g, col), builder.load(acc[g])]), acc[g])
 
-                        _tile_body(name, builder, at, unit_bytes, run, f16s, bytes8, madd, scale, mins)
+                        _tile_body(name, builder, unit_at, run, f16s, bytes8, madd, scale, mins)
                     builder.branch(end)
                 builder.position_at_end(end)
                 for g in range(ng):
