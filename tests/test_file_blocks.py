@@ -239,6 +239,23 @@ def test_tiles_hold_the_files_bytes(ggml_type):
     assert torch.equal(form.slab_t(5, 30), blocks.slab_t(5, 30))
 
 
+def test_a_tiles_units_lie_in_the_order_its_kernel_reads_them():
+    """vectors.tile_order: each type's order holds every 16-bit unit of its block once; a Q6_K tile block starts with
+    its 8 rows' d (the kernel's first read, the block's last bytes in the file), then ql's two runs and qh's for the
+    first columns, so that the kernel reads a tile front to back (from DRAM, twice the rate of the file's order)."""
+    if "Q6_K" not in tile_types():
+        pytest.skip("no ggml_tiles here")
+    vectors = importlib.import_module("kvcli.kernels.cpu.vectors")
+    tiles = importlib.import_module("kvcli.kernels.cpu.ggml_tiles")
+    for t in tile_types():
+        assert sorted(vectors.tile_order(t)) == list(range(ggml_rows.TYPES[t][1] // 2)), t
+    raw = adversarial("Q6_K", 8, 512, seed=3)
+    block = raw.reshape(8, 2, 210)[:, 0]  # the 8 rows' first blocks
+    units = tiles.retile("Q6_K", raw)[0, : 8 * 210].reshape(105, 8, 2)  # the tile's first block: unit, row, byte
+    for place, (lo, hi) in enumerate(((208, 210), (0, 2), (32, 34), (128, 130))):  # d; ql 0-1, ql 32-33; qh 0-1
+        np.testing.assert_array_equal(units[place], block[:, lo:hi])
+
+
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "IQ4_NL", "Q8_0"])
 @pytest.mark.parametrize("tied", [True, False])
 def test_tiny_model_in_file_blocks_equals_f32_weights(tmp_path, qtype, tied):

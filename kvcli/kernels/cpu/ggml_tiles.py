@@ -3,11 +3,13 @@ vector's lanes (AVX2), the idea of llama.cpp's repacked q4_0_8x8 for its gemv.
 
 ggml_dot reads one row's block at a time: per 32 codes it unpacks, converts its int32 sums to f32, scales and adds,
 and at the row's end sums 8 lanes; a third of its instructions go to what is per block, not per code. Here a tile
-holds 8 rows' blocks of the same 32 columns (retile: the same bytes, reordered, so the same size): a run of 16
-code bytes widened to 16-bit lanes holds 8 rows' codes of two columns, one x pair (a splat 32-bit word) meets them
-in vpmaddwd, and each row's sum stays in its own int32 lane over the block; per block and 8 rows one conversion, one
-fma with the 8 scales (one vcvtph2ps) times sx and one with the mins times xsum. x as ggml_dot quantizes it. A row's
-bits do not depend on the rows beside it nor on the thread count. Types: vectors.TILE_TYPES; rows a multiple of 8.
+holds 8 rows' blocks of the same 32 columns (retile: the same bytes, reordered, so the same size), their units in
+the order the kernel reads them (vectors.tile_order: a tile read front to back, the stream the CPU prefetches): a
+run of 16 code bytes widened to 16-bit lanes holds 8 rows' codes of two columns, one x pair (a splat 32-bit word)
+meets them in vpmaddwd, and each row's sum stays in its own int32 lane over the block; per block and 8 rows one
+conversion, one fma with the 8 scales (one vcvtph2ps) times sx and one with the mins times xsum. x as ggml_dot
+quantizes it. A row's bits do not depend on the rows beside it nor on the thread count. Types: vectors.TILE_TYPES;
+rows a multiple of 8.
 """
 
 from __future__ import annotations
