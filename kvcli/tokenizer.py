@@ -19,6 +19,7 @@ import codecs
 import json
 import re
 import struct
+import threading
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
@@ -135,17 +136,17 @@ class Tokenizer:
         else:
             pre = pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default")
             default_bos = pre.add_bos
-            # parse_special -> the tokenizers library's BPE, the plain one built at its first use: each holds
-            # ~40 MB for a 150k vocabulary (Qwen2.5), and most runs use one
-            self._bpe_source = (meta, [for_onig(r) for r in pre.regexes], pre.ignore_merges)
+            # the tokenizers library's BPE, one for both parse_special choices (its encode_special_tokens set per
+            # call, under a lock): one holds ~46 MB for a 150k vocabulary (Qwen2.5), and a chat run used both
             try:
-                self._hf = {True: self._build_bpe(*self._bpe_source)}
+                self._hf = self._build_bpe(meta, [for_onig(r) for r in pre.regexes], pre.ignore_merges)
             except Exception as e:  # the tokenizers library raises plain Exception on a bad vocab or merge
                 raise KvcliError(f"bad BPE vocabulary or merges in GGUF metadata: {str(e)[:100]}") from None
+            self._hf_lock = threading.Lock()
         self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
         self.eog_ids: frozenset[int] = self._eog_ids(meta)
 
-    def _build_bpe(self, meta, regexes, ignore_merges, parse_special: bool = True):
+    def _build_bpe(self, meta, regexes, ignore_merges):
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
@@ -158,15 +159,13 @@ class Tokenizer:
         tok.decoder = decoders.ByteLevel()
         tok.add_special_tokens([AddedToken(self.tokens[i], normalized=False, special=True) for i in self._special])
         tok.add_tokens([AddedToken(self.tokens[i], normalized=False, special=False) for i in self._always])
-        # parse_special false: control tokens are ordinary text, as llama.cpp's
-        tok.encode_special_tokens = not parse_special
         return tok
 
-    def _bpe(self, parse_special: bool):
-        """The BPE tokenizer for parse_special (the same vocabulary that built the other: it builds)."""
-        if parse_special not in self._hf:
-            self._hf[parse_special] = self._build_bpe(*self._bpe_source, parse_special=parse_special)
-        return self._hf[parse_special]
+    def _bpe_encode(self, text: str, parse_special: bool) -> list[int]:
+        """The BPE's ids for text; parse_special false: control tokens are ordinary text, as llama.cpp's."""
+        with self._hf_lock:  # the flag is the one tokenizer's: set and used by one thread at a time
+            self._hf.encode_special_tokens = not parse_special
+            return self._hf.encode(text, add_special_tokens=False).ids
 
     def _splitter(self, ids: list[int]) -> tuple[re.Pattern | None, dict[str, int]]:
         by_text = {self.tokens[i]: i for i in ids}
@@ -193,7 +192,7 @@ class Tokenizer:
         """Token ids for `text`; BOS first when `add_bos` (default: the file's add_bos_token)."""
         ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None else []
         if self.model == "gpt2":
-            return ids + self._bpe(parse_special).encode(text, add_special_tokens=False).ids
+            return ids + self._bpe_encode(text, parse_special)
         # SentencePiece, as llama.cpp's llm_tokenizer_spm: split out special tokens, then give every text
         # fragment that starts the prompt or follows a special token a leading space, and escape spaces.
         (split, by_text), prev_special = self._split[parse_special], True

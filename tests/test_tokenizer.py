@@ -300,7 +300,7 @@ def test_split_regex_matches_transformers(meta, pre):
     except ImportError:
         pytest.skip("transformers' GGUF pre-tokenizer table not available")
     ref = pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
-    ours = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": pre})._bpe(False).pre_tokenizer
+    ours = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": pre})._hf.pre_tokenizer
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
     for text in TRICKY.values():
         expected = [w for w, _ in ref.pre_tokenize_str(text)]
