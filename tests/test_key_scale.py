@@ -112,6 +112,12 @@ def test_f32_cache_gives_the_same_logits_in_the_scaled_basis(qwen2_f32, type_k):
     cache = scaled.new_cache(scaled.cache_spec)
     assert all(cache.qk_scales(i) is not None for i in range(scaled.config.n_layers))
     assert "keys scaled" in cache.describe() and "keys less their mean" in cache.describe()
+    from kvcli.cache.key_scale import model_scales
+
+    gains = model_scales(scaled.model)[1]  # (L, Hkv): each group's line names the mean over its layers
+    for _, layers in getattr(cache, "parts", [(cache, list(range(scaled.config.n_layers)))]):
+        gain = float(gains[list(layers)].mean())
+        assert f"keys scaled for the queries (predicted score error {gain:.2f}x)" in cache.describe()
     s = cache.qk_scales(0)
     assert not torch.allclose(s, torch.ones_like(s))  # random weights: not the identity
     for a, b in zip(_logits(scaled), _logits(plain)):

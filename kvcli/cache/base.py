@@ -228,11 +228,12 @@ class KVCache:
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
                  type_k: str = "f16", type_v: str = "f16", device: str = "cpu", *, attention, window: int = 0,
-                 key_bias=None, qk_scale: torch.Tensor | None = None):
+                 key_bias=None, qk_scale: torch.Tensor | None = None, qk_gain: float | None = None):
         shape = (n_layers, batch, n_kv_heads, n_ctx, head_dim)
         # keys scaled for the queries (kvcli/cache/key_scale.py): (L, H + Hkv, D) f32 multipliers of the q heads
         # and K heads, the cache working in that basis; None: as they come
         self.qk_scale = qk_scale
+        self.qk_gain = qk_gain  # the share of the score error the weights predict the scales leave, for the size line
         # keys stored less their turning mean, q . R(p) m added back on read (kvcli/cache/key_bias.py): each
         # sequence's own m; None: keys as they come
         self.key_bias = None if key_bias is None else key_bias.for_rows(batch)
@@ -371,7 +372,7 @@ class KVCache:
         if self.key_bias is not None:
             line += ", keys less their mean"
         if self.qk_scale is not None:
-            line += ", keys scaled for the queries"
+            line += scaled_keys_note(self.qk_gain)
         return line
 
     def qk_scales(self, layer: int) -> torch.Tensor | None:
@@ -383,3 +384,8 @@ class KVCache:
                      window: int = 0) -> int:
         return (sum(resolve_type(t).nbytes_for(n_layers, batch, kv_dim, n_ctx) for t in (type_k, type_v))
                 + Ring.nbytes_for(n_layers, batch, 2 * kv_dim, window))
+
+
+def scaled_keys_note(gain: float | None) -> str:
+    """The size line's words for keys scaled for the queries, with the score error the weights predict they leave."""
+    return ", keys scaled for the queries" + (f" (predicted score error {gain:.2f}x)" if gain is not None else "")

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from kvcli.cache.base import KVCache, resolve_type, window_for
+from kvcli.cache.base import KVCache, resolve_type, scaled_keys_note, window_for
 from kvcli.errors import KvcliError
 from kvcli.memory import MIB
 
@@ -140,15 +140,17 @@ class LayeredKV:
 
     def __init__(self, n_layers: int, batch: int, n_kv_heads: int, n_ctx: int, head_dim: int,
                  type_k: str, type_v: str, device: str = "cpu", *, attention, window: int = 0, key_bias=None,
-                 qk_scale=None):
-        """key_bias(layers, type_k) -> a group's KeyBias or None, qk_scale(layers, type_k) -> its key scales or None
-        (kvcli/cache/spec.py make_cache); None: no group's."""
+                 qk_scale=None, qk_gain=None):
+        """key_bias(layers, type_k) -> a group's KeyBias or None, qk_scale(layers, type_k) -> its key scales or None,
+        qk_gain(layers, type_k) -> the score error they are predicted to leave (kvcli/cache/spec.py make_cache); None:
+        no group's."""
         self.n_layers, self.batch, self.n_ctx, self.window = n_layers, batch, n_ctx, window
         self.type_k, self.type_v = canonical(type_k), canonical(type_v)
         self.parts = [(KVCache(len(layers), batch, n_kv_heads, n_ctx, head_dim, tk, tv, device,
                                attention=attention, window=window_for((tk, tv), window),
                                key_bias=key_bias(layers, tk) if key_bias else None,
-                               qk_scale=qk_scale(layers, tk) if qk_scale else None), layers)
+                               qk_scale=qk_scale(layers, tk) if qk_scale else None,
+                               qk_gain=qk_gain(layers, tk) if qk_gain else None), layers)
                       for (tk, tv), layers in groups(type_k, type_v, n_layers).items()]  # [(KVCache, its layers)]
         self._index()
 
@@ -197,5 +199,5 @@ class LayeredKV:
         for cache, layers in self.parts:
             line += (f"\n  layer{'s' if len(layers) > 1 else ''} {_ranges(layers)}: K {cache.k.name}, V {cache.v.name}, "
                      f"{cache.nbytes() / MIB:.2f} MiB" + (", keys less their mean" if cache.key_bias else "")
-                     + (", keys scaled for the queries" if cache.qk_scale is not None else ""))
+                     + (scaled_keys_note(cache.qk_gain) if cache.qk_scale is not None else ""))
         return line

@@ -136,6 +136,12 @@ def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str 
             return None
         return model_scales(model)[0][layer_ids].to(device)
 
+    def qk_gain(layer_ids: list[int], type_k: str) -> float | None:
+        """The share of the score error these layers' key scales are predicted to leave, or None."""
+        if not scales_keys(s.key_scales, resolve_type(type_k), model):
+            return None
+        return float(model_scales(model)[1][layer_ids].mean())
+
     def key_bias(layer_ids: list[int], type_k: str) -> KeyBias | None:
         """The treatment of these layers' keys, of type type_k: None where the policy leaves this type's keys as
         they come."""
@@ -152,11 +158,11 @@ def make_cache(config, spec: CacheSpec, n_ctx: int, n_seq: int = 1, device: str 
     if s.mixed:
         return layers.LayeredKV(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v,
                                 device=device, attention=attention, window=s.window, key_bias=key_bias,
-                                qk_scale=qk_scale)
+                                qk_scale=qk_scale, qk_gain=qk_gain)
     every = list(range(c.n_layers))
     return KVCache(c.n_layers, n_seq, c.n_kv_heads, n_ctx, c.head_dim, s.type_k, s.type_v, device=device,
                    attention=attention, window=s.window, key_bias=key_bias(every, s.type_k),
-                   qk_scale=qk_scale(every, s.type_k))
+                   qk_scale=qk_scale(every, s.type_k), qk_gain=qk_gain(every, s.type_k))
 
 
 def treats_keys(config, spec: CacheSpec) -> list[int]:
