@@ -149,12 +149,12 @@ def _dequantized(types, k16, v16):
 
 @pytest.mark.parametrize("flash", [True, False])
 @pytest.mark.parametrize("small_chunks", [False, True])
-@pytest.mark.parametrize("types", [("q4_0", "q4_0"), ("q8_0", "q4_1")])
+@pytest.mark.parametrize("types", [("q4_0", "q4_0"), ("q8_0", "q4_1"), ("f16", "f16")])
 def test_each_query_reads_its_window_in_f16(monkeypatch, types, flash, small_chunks):
     if small_chunks:  # many chunks of the store and blocks of rows: the online softmax and the materialized path
         monkeypatch.setattr(kvcli.attention, "MIN_CHUNK", 4)
         monkeypatch.setattr(kvcli.attention, "CHUNK_BYTES", 0)
-        monkeypatch.setattr(kvcli.attention, "ROW_BLOCK", 5)  # dense stores only: these types take one block
+        monkeypatch.setattr(kvcli.attention, "ROW_BLOCK", 5)  # dense stores (f16 here) in blocks of 5 rows
     N, n = 5, 34
     k, v, q = _vectors(n, 4), _vectors(n, 5), torch.randn(B, n, 2 * HKV, D, generator=torch.Generator().manual_seed(6))
     k16, v16 = k.half().float(), v.half().float()
