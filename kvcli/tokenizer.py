@@ -137,7 +137,8 @@ class Tokenizer:
             pre = pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default")
             default_bos = pre.add_bos
             # the tokenizers library's BPE, one for both parse_special choices (its encode_special_tokens set per
-            # call, under a lock): one holds ~46 MB for a 150k vocabulary (Qwen2.5), and a chat run used both
+            # call, under a lock): one holds ~46 MB for a 150k vocabulary (Qwen2.5), a second was built where a
+            # process asked for both
             try:
                 self._hf = self._build_bpe(meta, [for_onig(r) for r in pre.regexes], pre.ignore_merges)
             except Exception as e:  # the tokenizers library raises plain Exception on a bad vocab or merge

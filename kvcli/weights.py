@@ -792,9 +792,8 @@ def _check_file_scales(name: str, raw: np.ndarray, ggml_type: str, tiled: bool =
     block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
     if tiled:
         blocks = raw.reshape(-1, 8 * block_bytes)
-        place = _cpu_kernel("ggml_tiles").unit_place
-        highs = [blocks[:, 16 * place(ggml_type, at // 2) + 1 : 16 * place(ggml_type, at // 2) + 16 : 2]
-                 for at in F16_FIELDS[ggml_type]]
+        places = [16 * _cpu_kernel("ggml_tiles").unit_place(ggml_type, at // 2) for at in F16_FIELDS[ggml_type]]
+        highs = [blocks[:, p + 1 : p + 16 : 2] for p in places]  # the 8 rows' high bytes of a field's unit
     else:
         blocks = raw.reshape(-1, block_bytes)
         highs = [blocks[:, at + 1] for at in F16_FIELDS[ggml_type]]

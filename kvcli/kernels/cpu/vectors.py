@@ -1179,9 +1179,9 @@ def ggml_tile_dots(kind, tiles, lo, hi, xi, xs, xsum, g0, y):
 if numba is not None:
 
     def _tile_body(name, builder, unit_at, run, f16s, bytes8, madd, scale, mins):
-        """One block of 8 rows of type `name`, its 16-bit unit u at unit_at(u) (placed by tile_order), emitted in the
-        order its codes are made, which tile_order follows (each run's
-        codes consumed at once: nothing held across the block): madd(slot, codes <16 x i16>, column) adds the int32
+        """One block of 8 rows of type `name`, its 16-bit unit u at unit_at(u) (placed by tile_order, which follows
+        the order this body reads them), emitted in the order its codes are made (each run's codes consumed at once:
+        nothing held across the block): madd(slot, codes <16 x i16>, column) adds the int32
         sums of codes times x's pair of columns there into the sums `slot`; scale(slot, coef 8 x f32, column) adds
         those sums times coef times sx of the 32 columns at column into the rows' f32 sums (and clears the slot);
         mins(coef, column): coef times xsum of those 32 columns. run(unit): that unit's code run widened (zext) to 16
