@@ -1147,8 +1147,9 @@ TILE_ROWS = 8  # rows of W a tile interleaves: one int32 / f32 lane each
 def tile_order(name: str) -> tuple[int, ...]:
     """A block's 16-bit units in the order a tile lays them (ggml_tiles.retile): the order _tile_body first reads
     them, so that a tile is read front to back. From DRAM the order is the rate: a Q6_K block read as its file lays
-    it (d last, three runs 256 and 1024 bytes apart) streamed at 17 GB/s on 2 cores against 37 in this order; read
-    in L3 both run alike. Q5_K: its fifth bits beside the codes they complete. The other types: as the file."""
+    it (d last, three runs 256 and 1024 bytes apart) streamed at 17 GB/s on 2 cores against 37 in this order with
+    its loads kept in order and no software prefetch (the order alone: 1.45x; benchmarks/README.md section 14); read
+    in L3 all run alike. Q5_K: its fifth bits beside the codes they complete. The other types: as the file."""
     units = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1] // 2
     if name == "Q6_K":  # d (unit 104); per half of each 128: ql's two runs and qh's, then the 4 scale units
         order = [104]
