@@ -188,10 +188,14 @@ def _rows_out(qm: torch.Tensor, qg: torch.Tensor, cache, layer: int, first: int,
     key_bias = getattr(cache, "key_bias", None)
     chunk = chunk_positions(B, Hkv, R, D)
 
-    def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, R, c1 - c0)
-        s = cache.k.scores(layer, qg, c0, c1)  # a fresh tensor: changed in place below
-        if key_bias is not None:  # keys stored less their bias: q . R(p) b back (kvcli/cache/key_bias.py)
-            s.add_(key_bias.scores(layer, qm, c0, c1))
+    def scores(c0: int, c1: int) -> torch.Tensor:  # (B, Hkv, R, c1 - c0), a fresh tensor: changed in place below
+        if key_bias is None:
+            s = cache.k.scores(layer, qg, c0, c1)
+        else:  # keys stored less their turning mean R(p) m (kvcli/cache/key_bias.py): put back on the chunk's loaded
+            # keys, in the store's space (its map is orthogonal: q . x = to_storage(q) . to_storage(x)), so the
+            # rows take one product over the chunk, not a second one of q . R(p) m the size of the scores
+            k = cache.k.load(layer, c0, c1) + cache.k.to_storage(key_bias.keys(layer, c0, c1))  # (f32's load: a view)
+            s = qg @ k.transpose(-1, -2)
         if c1 > first and lim is not None:  # the chunk reaches a row's limit: that row reads no further here
             s.masked_fill_(torch.arange(c0, c1, device=qm.device) >= lim, float("-inf"))
         return s

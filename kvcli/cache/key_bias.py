@@ -125,6 +125,10 @@ class KeyBias:
         (B, H, R, end - start) f32."""
         return self.query(layer, q) @ self.table[start:end].T
 
+    def keys(self, layer: int, start: int, end: int) -> torch.Tensor:
+        """R(p) m for p in start..end-1 as the stores lay keys out: (B, H, end - start, D) f32."""
+        return self.rotated(layer, start, end - start).transpose(1, 2)
+
     def query(self, layer: int, q: torch.Tensor) -> torch.Tensor:
         """q (B, H, R, D) f32 -> (u_0, w_0, u_1, w_1, ..) (B, H, R, D): what multiplies a table row to give q . R(p) m."""
         D = q.shape[-1]
