@@ -25,6 +25,7 @@ import numpy as np
 from kvcli.config import ModelConfig
 from kvcli.errors import KvcliError
 from kvcli.memory import libc
+from kvcli.packed_strings import PackedStrings
 
 # Limits of the format as llama.cpp's gguf.cpp applies them (GGML_MAX_DIMS, GGML_MAX_NAME).
 MAX_DIMS = 4
@@ -132,13 +133,13 @@ class _Scan:
         except UnicodeDecodeError as e:
             raise self.fail(f"{what} is not valid UTF-8 (byte {start + e.start})") from None
 
-    def strings(self, n: int, key: str) -> list[str]:
-        """n strings of array `key`, as `string` reads each (its checks and messages), in one loop over the bytes
-        (a vocabulary's 150k tokens and merges: the load's largest part read one by one through numpy)."""
+    def strings(self, n: int, key: str) -> PackedStrings:
+        """n strings of array `key`, as `string` reads each (its checks and messages), in one loop over the lengths,
+        kept packed (kvcli/packed_strings.py: a vocabulary's 150k tokens and merges as str objects held ~25 MiB)."""
         buf = getattr(self.data.base, "obj", None)  # the file's mmap, sliced as bytes (numpy's view: per element)
         if not isinstance(buf, mmap.mmap):
             buf = memoryview(self.data)
-        u64, size, pos, out = _U64.unpack_from, self.size, self.pos, []
+        u64, size, pos, starts, lengths = _U64.unpack_from, self.size, self.pos, [], []
         for i in range(n):
             if pos + 8 > size:
                 self.pos = pos
@@ -149,13 +150,27 @@ class _Scan:
             if length > size - pos - 8:
                 self.pos = pos + 8
                 self.take(length, f"element {i} of {key}")
-            try:
-                out.append(str(buf[pos + 8 : pos + 8 + length], "utf-8"))
-            except UnicodeDecodeError as e:
-                raise self.fail(f"element {i} of {key} is not valid UTF-8 (byte {pos + 8 + e.start})") from None
+            starts.append(pos + 8)
+            lengths.append(length)
             pos += 8 + length
         self.pos = pos
-        return out
+        text = b"".join([buf[a : a + z] for a, z in zip(starts, lengths)])
+        at = np.zeros(n + 1, np.int64)
+        np.cumsum(lengths, out=at[1:])
+        # Every element valid UTF-8: the whole is, and no element starts inside a character (a continuation byte)
+        first = np.frombuffer(text, np.uint8)[at[:-1][np.asarray(lengths, np.int64) > 0]]
+        try:
+            text.decode("utf-8")
+            whole = not np.any((first & 0xC0) == 0x80)
+        except UnicodeDecodeError:
+            whole = False
+        if not whole:
+            for i in range(n):
+                try:
+                    text[at[i] : at[i + 1]].decode("utf-8")
+                except UnicodeDecodeError as e:
+                    raise self.fail(f"element {i} of {key} is not valid UTF-8 (byte {starts[i] + e.start})") from None
+        return PackedStrings(text, at)
 
     def value(self, vtype: int, key: str) -> Any:
         """The value of metadata `key` (already shortened for messages) of GGUF type vtype."""
@@ -328,7 +343,7 @@ def _config(metadata: dict[str, Any], tensors: dict[str, Any], path: str) -> Mod
             raise KvcliError(f"GGUF metadata {arch}.block_count is {n_layers}, but the file has only "
                              f"{len(tensors)} tensors")
     vocab = metadata.get("tokenizer.ggml.tokens")
-    if vocab is not None and not (isinstance(vocab, list) and all(isinstance(t, str) for t in vocab)):
+    if vocab is not None and not isinstance(vocab, PackedStrings):
         raise KvcliError("GGUF metadata tokenizer.ggml.tokens must be an array of strings")
     emb = tensors.get("token_embd.weight")
     vocab_size = len(vocab) if vocab is not None else (int(emb.shape[-1]) if emb is not None else 0)

@@ -25,6 +25,7 @@ from typing import Any, Mapping, Sequence
 
 from kvcli.errors import KvcliError
 from kvcli.pretokenizers import for_onig, pre_tokenizer
+from kvcli.packed_strings import PackedStrings
 
 # ggml token types (llama.cpp's llama_token_type); SentencePiece's piece types use the same numbers.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
@@ -104,10 +105,14 @@ class Tokenizer:
             raise KvcliError(f"unsupported tokenizer.ggml.model {self.model!r}; supported: 'llama', 'gpt2'")
         if not meta.get("tokenizer.ggml.tokens"):
             raise KvcliError("GGUF metadata lacks tokenizer.ggml.tokens (the vocabulary)")
-        self.tokens: list[str] = list(meta["tokenizer.ggml.tokens"])
+        tokens = meta["tokenizer.ggml.tokens"]  # a file's: packed (kvcli/packed_strings.py), shared with its metadata
+        self.tokens: Sequence[str] = tokens if isinstance(tokens, PackedStrings) else list(tokens)
         n = self.vocab_size = len(self.tokens)
         self.types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
         self.chat_template: str | None = meta.get("tokenizer.chat_template")
+        # each text's id (duplicates: the last id wins, as in llama.cpp): the BPE's vocabulary and the end-of-generation
+        # lookups; built once, not kept (the vocabulary's strings stay packed)
+        ids_by_text = {t: i for i, t in enumerate(self.tokens)}
         spm = self.model == "llama"
         # llama.cpp's defaults when the ids are absent: 1/2 for SentencePiece, none for BPE files.
         self.bos_id = _token_id(meta, "bos_token_id", 1 if spm else None, n)
@@ -140,18 +145,17 @@ class Tokenizer:
             # call, under a lock): one holds ~46 MB for a 150k vocabulary (Qwen2.5), a second was built where a
             # process asked for both
             try:
-                self._hf = self._build_bpe(meta, [for_onig(r) for r in pre.regexes], pre.ignore_merges)
+                self._hf = self._build_bpe(meta, ids_by_text, [for_onig(r) for r in pre.regexes], pre.ignore_merges)
             except Exception as e:  # the tokenizers library raises plain Exception on a bad vocab or merge
                 raise KvcliError(f"bad BPE vocabulary or merges in GGUF metadata: {str(e)[:100]}") from None
             self._hf_lock = threading.Lock()
         self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
-        self.eog_ids: frozenset[int] = self._eog_ids(meta)
+        self.eog_ids: frozenset[int] = self._eog_ids(meta, ids_by_text)
 
-    def _build_bpe(self, meta, regexes, ignore_merges):
+    def _build_bpe(self, meta, vocab: dict[str, int], regexes, ignore_merges):
         from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
         from tokenizers import Tokenizer as HFTokenizer
 
-        vocab = {t: i for i, t in enumerate(self.tokens)}  # duplicates: last id wins, as in llama.cpp
         merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
         tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
         tok.pre_tokenizer = pre_tokenizers.Sequence(
@@ -173,12 +177,11 @@ class Tokenizer:
         texts = sorted(by_text, key=len, reverse=True)  # longest first, as llama.cpp tries them
         return (re.compile("(" + "|".join(map(re.escape, texts)) + ")") if texts else None), by_text
 
-    def _eog_ids(self, meta) -> frozenset[int]:
+    def _eog_ids(self, meta, by_text: dict[str, int]) -> frozenset[int]:
         n, ids = self.vocab_size, set()
         for key in ("fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id", "eot_token_id", "eom_token_id"):
             if (i := _token_id(meta, key, None, n)) is not None:
                 ids.add(i)
-        by_text = {t: i for i, t in enumerate(self.tokens)}
         ids.update(i for t, i in by_text.items() if t in _EOG_TEXTS or t in _FIM_EOG_TEXTS)
         if self.eos_id is not None:
             ids.add(self.eos_id)

@@ -29,6 +29,7 @@ from hypothesis import strategies as st
 from kvcli.cli import app
 from kvcli.errors import KvcliError
 from kvcli.gguf_file import expected_shapes, open_gguf, optional_shapes, read_tensor
+from kvcli.packed_strings import PackedStrings
 from cli_checks import assert_clean_error, default_sigint, run, runner
 from tiny import make_hf_model, write_gguf
 
@@ -44,7 +45,10 @@ def _assert_same_as_gguf_reader(path):
     want = {name: field.contents() for name, field in reader.fields.items()}
     assert list(model.metadata) == list(want)
     for key, value in want.items():
-        assert model.metadata[key] == value and type(model.metadata[key]) is type(value), key
+        # string arrays are kept packed (kvcli/packed_strings.py), equal to gguf-py's lists; the rest is its type
+        types = reader.fields[key].types
+        packed = types[:2] == [gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING]
+        assert model.metadata[key] == value and type(model.metadata[key]) is (PackedStrings if packed else type(value)), key
     assert list(model.tensors) == [t.name for t in reader.tensors]
     for t in reader.tensors:
         u = model.tensors[t.name]
@@ -129,7 +133,7 @@ def _write_quant(real: Path, out: Path) -> Path:
             continue
         if key == "tokenizer.ggml.merges":  # only merges within the cut vocabulary
             w.add_array(key, [m for m in value if set(m.split(" ")) | {m.replace(" ", "")} <= vocab][:64])
-        elif isinstance(value, list):
+        elif isinstance(value, (list, PackedStrings)):  # a string array is read packed
             w.add_array(key, value[:256])
         elif isinstance(value, bool):
             w.add_bool(key, value)
