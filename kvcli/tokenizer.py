@@ -24,8 +24,8 @@ from datetime import datetime
 from typing import Any, Mapping, Sequence
 
 from kvcli.errors import KvcliError
-from kvcli.pretokenizers import for_onig, pre_tokenizer
 from kvcli.packed_strings import PackedStrings
+from kvcli.pretokenizers import for_onig, pre_tokenizer
 
 # ggml token types (llama.cpp's llama_token_type); SentencePiece's piece types use the same numbers.
 NORMAL, UNKNOWN, CONTROL, USER_DEFINED, UNUSED, BYTE = 1, 2, 3, 4, 5, 6
