@@ -154,23 +154,11 @@ class _Scan:
             lengths.append(length)
             pos += 8 + length
         self.pos = pos
-        text = b"".join([buf[a : a + z] for a, z in zip(starts, lengths)])
-        at = np.zeros(n + 1, np.int64)
-        np.cumsum(lengths, out=at[1:])
-        # Every element valid UTF-8: the whole is, and no element starts inside a character (a continuation byte)
-        first = np.frombuffer(text, np.uint8)[at[:-1][np.asarray(lengths, np.int64) > 0]]
-        try:
-            text.decode("utf-8")
-            whole = not np.any((first & 0xC0) == 0x80)
-        except UnicodeDecodeError:
-            whole = False
-        if not whole:
-            for i in range(n):
-                try:
-                    text[at[i] : at[i + 1]].decode("utf-8")
-                except UnicodeDecodeError as e:
-                    raise self.fail(f"element {i} of {key} is not valid UTF-8 (byte {starts[i] + e.start})") from None
-        return PackedStrings(text, at)
+        packed = PackedStrings.joined([buf[a : a + z] for a, z in zip(starts, lengths)])
+        bad = packed.invalid()
+        if bad is not None:
+            raise self.fail(f"element {bad[0]} of {key} is not valid UTF-8 (byte {starts[bad[0]] + bad[1]})")
+        return packed
 
     def value(self, vtype: int, key: str) -> Any:
         """The value of metadata `key` (already shortened for messages) of GGUF type vtype."""

@@ -15,7 +15,8 @@ import numpy as np
 
 class PackedStrings(Sequence):
     """An immutable sequence of str: element i is buf[at[i]:at[i + 1]] decoded as UTF-8. buf: bytes whose every element
-    is valid UTF-8 (the reader checks it: kvcli/gguf_file.py); at: (n + 1,) int64 offsets, at[0] = 0, ascending."""
+    is valid UTF-8 (`invalid` finds one that is not; kvcli/gguf_file.py refuses such a file); at: (n + 1,) int64
+    offsets, at[0] = 0, ascending."""
 
     __slots__ = ("_buf", "_at")
 
@@ -23,11 +24,33 @@ class PackedStrings(Sequence):
         self._buf, self._at = buf, at
 
     @classmethod
+    def joined(cls, pieces: Sequence) -> "PackedStrings":
+        """The elements from their UTF-8 bytes (bytes-like pieces; `invalid` says whether each is valid)."""
+        at = np.zeros(len(pieces) + 1, np.int64)
+        np.cumsum([len(p) for p in pieces], out=at[1:])
+        return cls(b"".join(pieces), at)
+
+    @classmethod
     def of(cls, items: Sequence[str]) -> "PackedStrings":
-        encoded = [s.encode("utf-8") for s in items]
-        at = np.zeros(len(encoded) + 1, np.int64)
-        np.cumsum([len(b) for b in encoded], out=at[1:])
-        return cls(b"".join(encoded), at)
+        return cls.joined([s.encode("utf-8") for s in items])
+
+    def invalid(self) -> tuple[int, int] | None:
+        """(element, offset in it) where the first element that is not valid UTF-8 fails to decode, or None. Every
+        element is valid where the whole buffer is and no element starts inside a character (on a continuation
+        byte); only otherwise is each element tried."""
+        nonempty = self._at[:-1][np.diff(self._at) > 0]
+        try:
+            self._buf.decode("utf-8")
+            if not np.any((np.frombuffer(self._buf, np.uint8)[nonempty] & 0xC0) == 0x80):
+                return None
+        except UnicodeDecodeError:
+            pass
+        for i in range(len(self)):
+            try:
+                self._buf[self._at[i] : self._at[i + 1]].decode("utf-8")
+            except UnicodeDecodeError as e:
+                return i, e.start
+        return None
 
     def __len__(self) -> int:
         return len(self._at) - 1
