@@ -792,7 +792,7 @@ def _check_file_scales(name: str, raw: np.ndarray, ggml_type: str, tiled: bool =
     block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[ggml_type]][1]
     if tiled:
         blocks = raw.reshape(-1, 8 * block_bytes)
-        places = [16 * _cpu_kernel("ggml_tiles").unit_place(ggml_type, at // 2) for at in F16_FIELDS[ggml_type]]
+        places = [2 * _cpu_kernel("ggml_tiles").unit_place(ggml_type, at // 2) for at in F16_FIELDS[ggml_type]]
         highs = [blocks[:, p + 1 : p + 16 : 2] for p in places]  # the 8 rows' high bytes of a field's unit
     else:
         blocks = raw.reshape(-1, block_bytes)
@@ -1181,7 +1181,8 @@ for _entry in (
           covers=lambda ggml_type=None, **_: ggml_type in _dot_types(), ready=table.cpu_compiler, tol=DOT_TOL,
           why="decode's rows on the codes, 32 a product in byte lanes (the slab kernel widens each to f32)"),
     Entry(PRODUCT, "cpu", frozenset({"ggml_tiles"}), "kvcli/kernels/cpu/ggml_tiles.py (AVX2 byte products, 8 rows "
-          "a vector, 15-bit activations) to FILE_GEMV_ROWS rows, then slabs + GEMM (bf16 where BF16 runs)", _file_tiles_dot, isa=AVX2,
+          "a vector, 15-bit activations, the K-quants' 8-bit) to FILE_GEMV_ROWS rows, then slabs + GEMM (bf16 where "
+          "BF16 runs)", _file_tiles_dot, isa=AVX2,
           ready=table.cpu_compiler, tol=DOT_TOL,
           why="decode's rows on the codes with 8 rows' sums in one vector: scales, conversions and sums once for 8"),
     Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors) to "

@@ -23,6 +23,7 @@ from tests.test_weights import assert_products_near_f64, runnable
 from tests.tiny import make_hf_model, write_gguf
 
 ggml_rows = pytest.importorskip("kvcli.kernels.cpu.ggml_rows")
+QUAD_TYPES = importlib.import_module("kvcli.kernels.cpu.vectors").QUAD_TYPES
 TYPES = sorted(FILE_BLOCKS)
 ROW_COUNTS = (1, 4, 8, 16, 17, 33, 512)  # the kernel's groups of 4, its last row count, the slabs' GEMM
 
@@ -107,20 +108,22 @@ def test_each_product_entry_equals_dequantized_f64(ggml_type, entry):
     if tiled:  # whole tiles of 8 rows
         form = FileTiles.of(adversarial(ggml_type, 40, K, seed=1), ggml_type, K)
     w = torch.from_numpy(gguf.quants.dequantize(form.raw, gguf.GGMLQuantizationType[ggml_type])).double()
-    assert_products_near_f64(entry, form, w, ROW_COUNTS, lambda x, w: product_bound(entry, x, w))
+    assert_products_near_f64(entry, form, w, ROW_COUNTS, lambda x, w: product_bound(entry, x, w, ggml_type))
 
 
-def product_bound(entry, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+def product_bound(entry, x: torch.Tensor, w: torch.Tensor, ggml_type: str) -> torch.Tensor:
     """f32 arithmetic: 2^-18 of sum |x| |w| per output; a batch's bf16 GEMM (batch_dtype: x and W rounded to bf16,
-    2^-9 each, and the output, 2^-9) 2^-7; the byte-product kernel's 15-bit x (Entry.tol DOT_TOL) adds, per 32-column
-    block, its largest |x| / 64770 (half a step of 32385) times the block's sum of |w|."""
+    2^-9 each, and the output, 2^-9) 2^-7; the byte-product kernels' 15-bit x (Entry.tol DOT_TOL) adds, per 32-column
+    block, its largest |x| / 64770 (half a step of 32385) times the block's sum of |w|; the tiles' 8-bit x of the
+    K-quants (ggml_tiles.QUAD_TYPES) its largest |x| / 254 (half a step of 127)."""
     xa = x.double().abs()
     rows = x.reshape(-1, x.shape[-1]).shape[0]
     bf16 = entry is not table.reference(PRODUCT) and rows > FILE_GEMV_ROWS and batch_dtype() == torch.bfloat16
     bound = (2.0**-7 if bf16 else 2.0**-18) * (xa @ w.abs().T) + 1e-30
     if entry.tol == DOT_TOL:
         bmax = xa.unflatten(-1, (-1, 32)).amax(-1, keepdim=True).expand(*xa.shape[:-1], -1, 32).flatten(-2)
-        bound = bound + (bmax / 64770) @ w.abs().T
+        steps = 254 if "ggml_tiles" in entry.keys and ggml_type in QUAD_TYPES else 64770
+        bound = bound + (bmax / steps) @ w.abs().T
     return bound
 
 
@@ -240,20 +243,25 @@ def test_tiles_hold_the_files_bytes(ggml_type):
 
 
 def test_a_tiles_units_lie_in_the_order_its_kernel_reads_them():
-    """vectors.tile_order: each type's order holds every 16-bit unit of its block once; a Q6_K tile block starts with
-    its 8 rows' d (the kernel's first read, the block's last bytes in the file), then ql's two runs and qh's for the
-    first columns, so that the kernel reads a tile front to back (from DRAM, twice the rate of the file's order)."""
+    """vectors.tile_order: each type's pieces hold every 16-bit unit of its block once; a Q6_K tile block starts with
+    its 8 rows' d (the kernel's first read, the block's last bytes in the file), then the first 128's scales, then
+    ql's two runs and qh's for the first 4 columns, each row's 4 bytes together (8 rows' 4 columns: one vector), so
+    that the kernel reads a tile front to back (from DRAM, twice the rate of the file's order)."""
     if "Q6_K" not in tile_types():
         pytest.skip("no ggml_tiles here")
     vectors = importlib.import_module("kvcli.kernels.cpu.vectors")
     tiles = importlib.import_module("kvcli.kernels.cpu.ggml_tiles")
     for t in tile_types():
-        assert sorted(vectors.tile_order(t)) == list(range(ggml_rows.TYPES[t][1] // 2)), t
+        units = [u for piece in vectors.tile_order(t) for u in piece]
+        assert sorted(units) == list(range(ggml_rows.TYPES[t][1] // 2)), t
     raw = adversarial("Q6_K", 8, 512, seed=3)
     block = raw.reshape(8, 2, 210)[:, 0]  # the 8 rows' first blocks
-    units = tiles.retile("Q6_K", raw)[0, : 8 * 210].reshape(105, 8, 2)  # the tile's first block: unit, row, byte
-    for place, (lo, hi) in enumerate(((208, 210), (0, 2), (32, 34), (128, 130))):  # d; ql 0-1, ql 32-33; qh 0-1
-        np.testing.assert_array_equal(units[place], block[:, lo:hi])
+    tile = tiles.retile("Q6_K", raw)[0, : 8 * 210]  # the tile's first block
+    at = 0
+    for lo, width in ((208, 2), (192, 2), (194, 2), (196, 2), (198, 2), (0, 4), (32, 4), (128, 4)):  # d; scales 0-7;
+        # ql 0-3, ql 32-35, qh 0-3
+        np.testing.assert_array_equal(tile[at : at + 8 * width].reshape(8, width), block[:, lo : lo + width])
+        at += 8 * width
 
 
 @pytest.mark.parametrize("qtype", ["Q5_0", "Q5_1", "IQ4_NL", "Q8_0"])

@@ -1,15 +1,20 @@
-"""Decode's products on 8 rows' blocks interleaved: ggml_dot's 16-bit integer products with 8 rows of W in one
-vector's lanes (AVX2), the idea of llama.cpp's repacked q4_0_8x8 for its gemv.
+"""Decode's products on 8 rows' blocks interleaved: integer products with 8 rows of W in one vector's lanes (AVX2;
+VNNI where compiled for), the idea of llama.cpp's repacked q4_0_8x8 / q4_K_8x8 for its gemv.
 
 ggml_dot reads one row's block at a time: per 32 codes it unpacks, converts its int32 sums to f32, scales and adds,
 and at the row's end sums 8 lanes; a third of its instructions go to what is per block, not per code. Here a tile
-holds 8 rows' blocks of the same 32 columns (retile: the same bytes, reordered, so the same size), their units in
-the order the kernel reads them (vectors.tile_order: a tile read front to back, the stream the CPU prefetches): a
-run of 16 code bytes widened to 16-bit lanes holds 8 rows' codes of two columns, one x pair (a splat 32-bit word)
-meets them in vpmaddwd, and each row's sum stays in its own int32 lane over the block; per block and 8 rows one
-conversion, one fma with the 8 scales (one vcvtph2ps) times sx and one with the mins times xsum. x as ggml_dot
-quantizes it. A row's bits do not depend on the rows beside it nor on the thread count. Types: vectors.TILE_TYPES;
-rows a multiple of 8.
+holds 8 rows' blocks of the same columns (retile: the same bytes, reordered, so the same size), their units in the
+order the kernel reads them (vectors.tile_order: a tile read front to back, the stream the CPU prefetches), and each
+row's sum stays in its own int32 lane over a block; per block and 8 rows one conversion, one fma with the 8 scales
+times sx and one with the mins times xsum. Two ways with x:
+  WORD_TYPES (Q4_0-Q8_0): x as ggml_dot quantizes it (15-bit); a run of 16 code bytes (one 16-bit unit of the 8
+      rows) widened to 16-bit lanes holds 8 rows' codes of two columns, one x pair (a splat 32-bit word) meets them
+      in vpmaddwd (vectors.ggml_tile_dots). 8-bit x moved SmolLM2's (Q4_1) decode KLD to 0.0028 (benchmarks/README.md).
+  QUAD_TYPES (Q4_K, Q5_K, Q6_K): x as llama.cpp's q8 activations, 8-bit per 32 columns (quantize_x8); the codes lie
+      in pieces of 4 bytes a row, so 32 bytes are 8 rows' 4 columns, and one x quad (a splat 32-bit word) meets them
+      in vpmaddubsw (or VNNI's vpdpbusd): half the instructions a code of the 16-bit way (vectors.ggml_quad_dots).
+      Qwen2.5-Coder's decode KLD against --weights f32 0.00014; the synthetic 1B's tg128 1.28-1.3x.
+A row's bits do not depend on the rows beside it nor on the thread count. Rows a multiple of 8.
 """
 
 from __future__ import annotations
@@ -18,20 +23,22 @@ import gguf
 import numpy as np
 
 from . import ggml_dot
-from .compile import available, jit, jit_threaded, numba
+from .compile import RNE, available, exact_jit, jit, jit_threaded, numba
 from .ggml_rows import _threads
-from .vectors import TILE_ROWS, TILE_TYPES, tile_order
+from .vectors import QUAD_TYPES, TILE_ROWS, TILE_TYPES, WORD_TYPES, tile_order, tile_places
 
 if numba is not None:
+    from .vectors import ggml_quad_dots1, ggml_quad_dots2, ggml_quad_dots3, ggml_quad_dots4
     from .vectors import ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4
 
 __all__ = ["TILE_ROWS", "TILE_TYPES", "available", "matmul", "retile", "unit_place", "untile", "warm_up"]
 
 
 @jit_threaded
-def _to_tiles(raw, tiles, lo, hi, order, qh):
+def _to_tiles(raw, tiles, lo, hi, order, place, width, qh):
     """tiles[lo..hi-1] (T, 8 row units) <- raw (8 T, row units), in 16-bit units (every field starts at an even
-    byte): unit order[p] of a row's block -> unit 8 p + r of the tile's (vectors.tile_order); Q5_0 / Q5_1's fifth
+    byte): unit order[p] of row r's block -> unit place[p] + width[p] r of the tile's block (vectors.tile_order's
+    pieces: width 1 or 2); Q5_0 / Q5_1's fifth
     bits (qh >= 0: the first of their two units, in place) regrouped by lane: element 2c + e + 16h of row r -> bit
     c + 8h of the word at unit 8 qh + 2r + e (the tile's lane 2r + e of a code run: one shift and one mask give a
     run's fifth bits, vectors.ggml_tile_dots)."""
@@ -41,7 +48,7 @@ def _to_tiles(raw, tiles, lo, hi, order, qh):
             o, src = 8 * b * units, b * units
             for p in range(units):
                 for r in range(8):
-                    tiles[t, o + 8 * p + r] = raw[8 * t + r, src + order[p]]
+                    tiles[t, o + place[p] + width[p] * r] = raw[8 * t + r, src + order[p]]
             if qh >= 0:
                 for r in range(8):
                     bits = np.uint32(raw[8 * t + r, src + qh]) | (np.uint32(raw[8 * t + r, src + qh + 1]) << 16)
@@ -54,7 +61,7 @@ def _to_tiles(raw, tiles, lo, hi, order, qh):
 
 
 @jit_threaded
-def _from_tiles(tiles, raw, lo, hi, order, qh):
+def _from_tiles(tiles, raw, lo, hi, order, place, width, qh):
     """_to_tiles' inverse for tiles lo..hi-1 into raw's rows 0 .. 8 (hi - lo) - 1 (threaded: a batch's slabs put back
     took 7% of Qwen's pp512 in one thread)."""
     units = order.shape[0]
@@ -63,7 +70,7 @@ def _from_tiles(tiles, raw, lo, hi, order, qh):
             o, dst = 8 * b * units, b * units
             for p in range(units):
                 for r in range(8):
-                    raw[8 * (t - lo) + r, dst + order[p]] = tiles[t, o + 8 * p + r]
+                    raw[8 * (t - lo) + r, dst + order[p]] = tiles[t, o + place[p] + width[p] * r]
             if qh >= 0:
                 for r in range(8):
                     bits = np.uint32(0)
@@ -76,14 +83,20 @@ def _from_tiles(tiles, raw, lo, hi, order, qh):
                     raw[8 * (t - lo) + r, dst + qh + 1] = np.uint16(bits >> 16)
 
 
-def _layout(ggml_type: str) -> tuple[np.ndarray, int]:
-    """(a block's 16-bit units in the tile's order, the first unit of its fifth bits to regroup or -1)."""
-    return np.array(tile_order(ggml_type), np.int64), {"Q5_0": 1, "Q5_1": 2}.get(ggml_type, -1)
+def _layout(ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
+    """(a block's 16-bit units in the tile's order, the tile unit of each one's row 0 copy, its piece's width (the
+    units between rows), the first unit of its fifth bits to regroup or -1)."""
+    pieces = tile_order(ggml_type)
+    order = np.array([u for piece in pieces for u in piece], np.int64)
+    places = tile_places(ggml_type)
+    width = np.array([len(piece) for piece in pieces for _ in piece], np.int64)
+    return order, np.array([places[u] for u in order], np.int64), width, {"Q5_0": 1, "Q5_1": 2}.get(ggml_type, -1)
 
 
 def unit_place(ggml_type: str, unit: int) -> int:
-    """Where a block's 16-bit unit `unit` lies among a tile block's (its 8 rows' copies at 8 times that)."""
-    return tile_order(ggml_type).index(unit)
+    """The tile block's 16-bit unit that holds row 0's copy of a block's unit `unit` (a one-unit piece's 8 rows
+    follow it: the f16 fields')."""
+    return tile_places(ggml_type)[unit]
 
 
 def _units(a: np.ndarray) -> np.ndarray:
@@ -135,19 +148,93 @@ def _span(kind, tiles, xi, xs, xsum, y, lo, hi):
         g0 += min(g, 4)
 
 
+X8_RANGE = 127  # |xq| of a block's largest element: 8-bit activations (QUAD_TYPES)
+
+
+@exact_jit
+def quantize_x8(x, xq, xs, xsum, xsum16):
+    """x (M, K) f32 -> xq (M, K) int8, x / sx rounded to nearest even, sx = max |x| / 127 per 32 columns (xs (M, K /
+    32); 0 and all-zero xq where the block is 0), xsum = sx sum xq per 32 columns, xsum16 the same per 16."""
+    M, K = x.shape
+    for m in range(M):
+        for b in range(K // 32):
+            amax = np.float32(0)
+            for k in range(32 * b, 32 * b + 32):
+                amax = max(amax, abs(x[m, k]))
+            if amax == 0:
+                xq[m, 32 * b : 32 * b + 32] = 0
+                xs[m, b] = 0
+                xsum[m, b] = 0
+                xsum16[m, 2 * b : 2 * b + 2] = 0
+                continue
+            sx = amax / np.float32(X8_RANGE)
+            inv = np.float32(1) / sx
+            halves = [0, 0]
+            for h in range(2):
+                for k in range(32 * b + 16 * h, 32 * b + 16 * h + 16):
+                    v = min(max(np.int32((x[m, k] * inv + RNE) - RNE), -X8_RANGE), X8_RANGE)
+                    xq[m, k] = v
+                    halves[h] += v
+            xs[m, b] = sx
+            xsum[m, b] = sx * np.float32(halves[0] + halves[1])
+            xsum16[m, 2 * b] = sx * np.float32(halves[0])
+            xsum16[m, 2 * b + 1] = sx * np.float32(halves[1])
+
+
+@jit
+def quantized8(x):
+    """x (M, K) f32 -> quantize_x8's (xq, xs, xsum, xsum16), made inside the compiled call."""
+    M, K = x.shape
+    xq, xs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32)
+    xsum, xsum16 = np.empty((M, K // 32), np.float32), np.empty((M, K // 16), np.float32)
+    quantize_x8(x, xq, xs, xsum, xsum16)
+    return xq, xs, xsum, xsum16
+
+
+@jit
+def _span8(kind, tiles, xq, xs, xsum, xsum16, y, lo, hi):
+    """_span for QUAD_TYPES[kind] and 8-bit x (ggml_quad_dots)."""
+    M = xq.shape[0]
+    g0 = 0
+    while g0 < M:
+        g = M - g0
+        if g >= 4:
+            ggml_quad_dots4(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)
+        elif g == 3:
+            ggml_quad_dots3(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)
+        elif g == 2:
+            ggml_quad_dots2(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)
+        else:
+            ggml_quad_dots1(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)
+        g0 += min(g, 4)
+
+
+WORDS = len(WORD_TYPES)  # kinds from here on (TILE_TYPES' K-quants) take 8-bit x
+
+
 @jit
 def _one(kind, tiles, x, y):
-    """y = x W.T in the calling thread, x quantized in the same call (ggml_dot.run)."""
-    xi, xs, xsum = ggml_dot.quantized(x)
-    _span(kind, tiles, xi, xs, xsum, y, 0, tiles.shape[0])
+    """y = x W.T in the calling thread, x quantized in the same call (ggml_dot.run): 16-bit for WORD_TYPES, 8-bit
+    for QUAD_TYPES."""
+    if kind >= WORDS:
+        xq, xs, xsum, xsum16 = quantized8(x)
+        _span8(kind - WORDS, tiles, xq, xs, xsum, xsum16, y, 0, tiles.shape[0])
+    else:
+        xi, xs, xsum = ggml_dot.quantized(x)
+        _span(kind, tiles, xi, xs, xsum, y, 0, tiles.shape[0])
 
 
 @jit_threaded
 def _threaded(kind, tiles, x, y, threads):
-    xi, xs, xsum = ggml_dot.quantized(x)
     T = tiles.shape[0]
-    for t in numba.prange(threads):
-        _span(kind, tiles, xi, xs, xsum, y, T * t // threads, T * (t + 1) // threads)
+    if kind >= WORDS:
+        xq, xs, xsum, xsum16 = quantized8(x)
+        for t in numba.prange(threads):
+            _span8(kind - WORDS, tiles, xq, xs, xsum, xsum16, y, T * t // threads, T * (t + 1) // threads)
+    else:
+        xi, xs, xsum = ggml_dot.quantized(x)
+        for t in numba.prange(threads):
+            _span(kind, tiles, xi, xs, xsum, y, T * t // threads, T * (t + 1) // threads)
 
 
 def matmul(ggml_type: str, tiles: np.ndarray, x: np.ndarray) -> np.ndarray:
@@ -158,4 +245,4 @@ def matmul(ggml_type: str, tiles: np.ndarray, x: np.ndarray) -> np.ndarray:
 def warm_up() -> None:
     tiles = np.zeros((1, 8 * 22), np.uint8)
     tiles.setflags(write=False)
-    matmul("Q5_0", tiles, np.zeros((1, 32), np.float32))
+    matmul("Q5_0", tiles, np.zeros((1, 32), np.float32))  # one compiled kernel: 16-bit and 8-bit x alike

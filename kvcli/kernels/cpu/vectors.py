@@ -11,7 +11,7 @@ from __future__ import annotations
 import gguf
 import numpy as np
 
-from .compile import VEC, numba
+from .compile import VEC, numba, target_has
 
 if numba is not None:
     from llvmlite import ir
@@ -1141,34 +1141,50 @@ if numba is not None:
 
 # ---- 8 rows' blocks interleaved (ggml_tiles.py): the same 16-bit products with 8 rows in one vector's lanes ----
 TILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
+WORD_TYPES, QUAD_TYPES = TILE_TYPES[:5], TILE_TYPES[5:]  # x as 16-bit integers (ggml_tile_dots), 8-bit (ggml_quad_dots)
 TILE_ROWS = 8  # rows of W a tile interleaves: one int32 / f32 lane each
 
 
-def tile_order(name: str) -> tuple[int, ...]:
-    """A block's 16-bit units in the order a tile lays them (ggml_tiles.retile): the order _tile_body first reads
-    them, so that a tile is read front to back. From DRAM the order is the rate: a Q6_K block read as its file lays
-    it (d last, three runs 256 and 1024 bytes apart) streamed at 17 GB/s on 2 cores against 37 in this order with
-    its loads kept in order and no software prefetch (the order alone: 1.45x; benchmarks/README.md section 14); read
-    in L3 all run alike. Q5_K: its fifth bits beside the codes they complete. The other types: as the file."""
+def tile_order(name: str) -> tuple[tuple[int, ...], ...]:
+    """A block's 16-bit units in the order a tile lays them (ggml_tiles.retile), as pieces: a piece of one unit holds
+    the 8 rows' copies of it one after another (16 bytes), a piece of two units (QUAD_TYPES' codes) each row's two
+    together (row r's 4 bytes at 4 r: 32 bytes, one vector of 8 rows' 4 columns for vpmaddubsw / vpdpbusd). The order
+    is the one _tile_body and _quad_body first read them, so that a tile is read front to back. From DRAM the order
+    is the rate: a Q6_K block read as its file lays it (d last, three runs 256 and 1024 bytes apart) streamed at 17
+    GB/s on 2 cores against 37 in this order with its loads kept in order and no software prefetch (the order alone:
+    1.45x; benchmarks/README.md section 14); read in L3 all run alike. Q5_K: its fifth bits beside the codes they
+    complete. The other types: as the file, one unit a piece."""
     units = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1] // 2
-    if name == "Q6_K":  # d (unit 104); per half of each 128: ql's two runs and qh's, then the 4 scale units
-        order = [104]
+    pair = lambda u: ((u, u + 1),)  # noqa: E731  4 bytes of a row: 4 columns' codes
+    if name == "Q6_K":  # d (unit 104); per 128: its 4 scale units, then 4 columns of ql's two runs and qh's at a time
+        order = ((104,),)
         for n in range(2):
-            for half in range(2):
-                for c in range(8 * half, 8 * half + 8):
-                    order += [32 * n + c, 32 * n + 16 + c, 64 + 16 * n + c]
-                if half == 0:
-                    order += [96 + 4 * n + k for k in range(4)]
-        return tuple(order)
+            order += tuple((96 + 4 * n + k,) for k in range(4))
+            for c in range(8):
+                order += pair(32 * n + 2 * c) + pair(32 * n + 16 + 2 * c) + pair(64 + 16 * n + 2 * c)
+        return order
     if name == "Q5_K":  # d, dmin, scales (0-7); qs of the first 64 beside qh (8-23); the rest of qs
-        return tuple(range(8)) + tuple(u for c in range(16) for u in (24 + c, 8 + c)) + tuple(range(40, units))
-    return tuple(range(units))
+        return (tuple((u,) for u in range(8)) + tuple(p for c in range(8) for p in pair(24 + 2 * c) + pair(8 + 2 * c))
+                + tuple(p for u in range(40, units, 2) for p in pair(u)))
+    if name == "Q4_K":  # d, dmin, scales (0-7); qs
+        return tuple((u,) for u in range(8)) + tuple(p for u in range(8, units, 2) for p in pair(u))
+    return tuple((u,) for u in range(units))
+
+
+def tile_places(name: str) -> dict[int, int]:
+    """A block's 16-bit unit -> its row 0 copy's unit in the tile block (row r's: + r times its piece's length)."""
+    places, at = {}, 0
+    for piece in tile_order(name):
+        for j, u in enumerate(piece):
+            places[u] = 8 * at + j
+        at += len(piece)
+    return places
 
 
 def ggml_tile_dots(kind, tiles, lo, hi, xi, xs, xsum, g0, y):
     """Compiled only (ggml_tile_dots1..4: rows g0.. of x, 1-4 of them): y[g0 + g, 8 t + r] = x[g0 + g] . W[8 t + r]
-    for the tiles lo <= t < hi of TILE_TYPES[kind], tiles (N / 8, K / QK blocks x 8 block bytes) uint8 as
-    ggml_tiles.retile lays them: per block of QK columns, the 8 rows' blocks in 16-bit units, unit u of row r at
+    for the tiles lo <= t < hi of WORD_TYPES[kind], tiles (N / 8, K / 32 blocks x 8 block bytes) uint8 as
+    ggml_tiles.retile lays them: per block of 32 columns, the 8 rows' blocks in 16-bit units, unit u of row r at
     unit 8 u + r (Q5_0 / Q5_1's fifth bits regrouped by lane, ggml_tiles). A code run, 16 bytes of one unit of the
     8 rows, widened to 16-bit lanes holds 8 rows' codes of two columns (low nibbles: 2c, 2c + 1; high: those of the
     next sub-block or half); each meets x's pair of columns (one 32-bit word splat) in vpmaddwd, so each row's sum
@@ -1215,52 +1231,13 @@ if numba is not None:
                 mins(f16s(1), 0)
             elif name in ("Q4_0", "Q5_0"):  # unsigned codes: the offset meets xsum as a min would
                 mins(builder.fmul(d, f8(-8.0 if name == "Q4_0" else -16.0)), 0)
-        elif name in ("Q4_K", "Q5_K"):
-            d, dmin = f16s(0), f16s(1)
-            q = lambda j: bytes8(4 + j)  # noqa: E731  the 12 scale bytes from byte 4
-            first = 8 + 16 * (name == "Q5_K")  # qs' first unit (Q5_K: qh's 16 units before)
-            for j in range(4):
-                for c in range(16):
-                    wide = run(first + 16 * j + c)
-                    qh = run(8 + c) if name == "Q5_K" else None  # qh[l] bit 2j + h: element l of sub-block 2j + h
-                    for h, v in enumerate((builder.and_(wide, s16(15)), builder.lshr(wide, s16(4)))):
-                        if qh is not None:
-                            v = builder.or_(v, builder.shl(builder.and_(builder.lshr(qh, s16(2 * j + h)), s16(1)), s16(4)))
-                        madd(h, v, 64 * j + 32 * h + 2 * c)
-                for h in (0, 1):
-                    sb = 2 * j + h
-                    if sb < 4:
-                        sc, m = builder.and_(q(sb), i8(63)), builder.and_(q(sb + 4), i8(63))
-                    else:
-                        sc = builder.or_(builder.and_(q(sb + 4), i8(15)), builder.shl(builder.lshr(q(sb - 4), i8(6)), i8(4)))
-                        m = builder.or_(builder.lshr(q(sb + 4), i8(4)), builder.shl(builder.lshr(q(sb), i8(6)), i8(4)))
-                    scale(h, builder.fmul(d, builder.uitofp(sc, _V8F)), 64 * j + 32 * h)
-                    mins(builder.fneg(builder.fmul(dmin, builder.uitofp(m, _V8F))), 64 * j + 32 * h)
-        elif name == "Q6_K":
-            d = f16s(104)
-            for n in range(2):
-                for half in (0, 1):  # columns l = 2c + e of 16 half .. 16 half + 15: sub-blocks of 16, slots q1..q4
-                    for c in range(8 * half, 8 * half + 8):
-                        a, b, hb = run(32 * n + c), run(32 * n + 16 + c), run(64 + 16 * n + c)
-                        low = [builder.and_(a, s16(15)), builder.and_(b, s16(15)), builder.lshr(a, s16(4)),
-                               builder.lshr(b, s16(4))]
-                        for k in range(4):
-                            high = builder.shl(builder.and_(builder.lshr(hb, s16(2 * k)), s16(3)), s16(4))
-                            madd(k, builder.sub(builder.or_(low[k], high), s16(32)), 128 * n + 32 * k + 2 * c)
-                    for k in range(4):  # scale 8n + 2k + half
-                        sc = builder.sitofp(builder.sext(builder.trunc(bytes8(192 + 8 * n + 2 * k + half), _I8V8), _V8I),
-                                            _V8F)
-                        scale(k, builder.fmul(d, sc), 128 * n + 32 * k)
         else:
             raise ValueError(name)
-
-    _I8V8 = ir.VectorType(_I8, 8)
 
     def _tile_codegen(ng: int):
         def codegen(context, builder, sig, args):
             kind, tiles, lo, hi, K, rows, x_i, x_s, x_sum, y, fma, acc = _dots_args(context, builder, sig, args, ng)
             c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
-            unit_bytes = 2 * TILE_ROWS
 
             def splat_f(v):
                 one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
@@ -1273,19 +1250,19 @@ if numba is not None:
                 t_row = ir_at(builder, tiles, t)
                 end = builder.append_basic_block("tiles.end")
                 switch = builder.switch(kind, end)
-                for k, name in enumerate(TILE_TYPES):
+                for k, name in enumerate(WORD_TYPES):
                     case = builder.append_basic_block(f"tiles.{name}")
                     switch.add_case(ir.Constant(_I64, k), case)
                     builder.position_at_end(case)
                     qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
-                    pos = {u: p for p, u in enumerate(tile_order(name))}  # a block's unit -> its place in the tile
+                    pos = tile_places(name)  # a block's unit -> its (row 0's) place in the tile
                     with cgutils.for_range(builder, builder.udiv(K, c64(qk))) as blk:
                         b = blk.index
                         at = builder.add(t_row, builder.mul(b, c64(bb * TILE_ROWS)))
                         col0 = builder.mul(b, c64(qk))  # the block's first column
 
                         def unit_at(unit, at=at, pos=pos):  # every load of W's bytes in order (ir_load_ordered)
-                            return builder.add(at, c64(unit_bytes * pos[unit]))
+                            return builder.add(at, c64(2 * pos[unit]))
 
                         def run(unit):
                             return builder.zext(ir_load_ordered(builder, unit_at(unit), _V16B), _V16S)
@@ -1339,3 +1316,221 @@ if numba is not None:
 
     ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4 = (_dots_intrinsic(_tile_codegen, g)
                                                                           for g in (1, 2, 3, 4))
+
+
+# ---- the K-quants' tiles times 8-bit activations (ggml_tiles.py): llama.cpp's q8 vec_dot, 8 rows in one vector ----
+
+
+def ggml_quad_dots(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y):
+    """Compiled only (ggml_quad_dots1..4: rows g0.. of x, 1-4 of them): y[g0 + g, 8 t + r] = x[g0 + g] . W[8 t + r]
+    for the tiles lo <= t < hi of QUAD_TYPES[kind] as ggml_tiles.retile lays them (tile_order: the codes in pieces of
+    4 bytes a row, 8 rows' 4 columns in one 32-byte vector). x as 8-bit integers per 32 columns, xq (M, K) int8,
+    x = xs[m, c // 32] xq, xsum (M, K / 32) and xsum16 (M, K / 16) f32: xs times the sums of xq over each 32 and 16
+    columns. Each code vector (unsigned) meets x's 4 columns (one 32-bit word splat) in vpmaddubsw, 16-bit sums added
+    while they cannot overflow, then widened into int32 lanes, a row each, by vpmaddwd with ones (Q6_K: with each
+    row's scale of its 16 columns); where VNNI is compiled for, Q4_K and Q5_K take vpdpbusd (the product and the add
+    in one) and Q6_K vpdpwssd. Per 32 columns one f32 fma for the 8 rows with their scales times sx, and one for their
+    mins (Q6_K: its -32 offset, a 16-column group at a time) times xsum. Integer sums are exact; a row's bits do not
+    depend on the rows beside it."""
+    raise NotImplementedError
+
+
+if numba is not None:
+    _V8H = ir.VectorType(ir.IntType(16), 8)
+
+    def _quad_body(name, builder, quad, f16s, bytes8, dot, dot_scaled, scale, mins):
+        """One super-block of 8 rows of type `name` (QUAD_TYPES), read in tile_order's order: quad(unit) the 8 rows'
+        4 bytes from `unit` (<32 x i8>); f16s(unit), bytes8(byte) as _tile_body's; dot(slot, codes, col, top): the
+        integer sums of codes (<32 x i8>, unsigned, at most top) times x's columns col..col+3 added into `slot`;
+        dot_scaled(slot, [codes, codes], col, sc): two such runs (columns col..col+3, col+4..col+7) times each row's
+        16-bit scale (<16 x i16>, row r in lanes 2r, 2r + 1) into `slot`; scale(slot, coef, col): the slot's sums
+        times coef (8 x f32) times sx of the 32 columns at col into the rows' f32 sums; mins(coef, col, width): coef
+        times xsum (width 32) or xsum16 (16) there."""
+        b32 = lambda v: ir.Constant(_V32B, [v] * 32)  # noqa: E731
+        i8 = lambda v: ir.Constant(_V8I, [v] * 8)  # noqa: E731
+        if name in ("Q4_K", "Q5_K"):
+            d, dmin = f16s(0), f16s(1)
+            q = lambda j: bytes8(4 + j)  # noqa: E731  the 12 scale bytes from byte 4
+            first = 8 + 16 * (name == "Q5_K")  # qs' first unit (Q5_K: qh's 16 units before)
+            top = 15 if name == "Q4_K" else 31
+            for j in range(4):
+                for c in range(8):  # columns 4c..4c+3 of sub-blocks 2j (low nibbles) and 2j + 1 (high)
+                    codes = quad(first + 16 * j + 2 * c)
+                    qh = quad(8 + 2 * c) if name == "Q5_K" else None  # qh[l] bit 2j + h: element l of sub-block 2j + h
+                    for h, v in enumerate((builder.and_(codes, b32(15)), builder.lshr(codes, b32(4)))):
+                        if qh is not None:
+                            v = builder.or_(v, builder.shl(builder.and_(builder.lshr(qh, b32(2 * j + h)), b32(1)), b32(4)))
+                        dot(h, v, 64 * j + 32 * h + 4 * c, top)
+                for h in (0, 1):
+                    sb = 2 * j + h
+                    if sb < 4:
+                        sc, m = builder.and_(q(sb), i8(63)), builder.and_(q(sb + 4), i8(63))
+                    else:
+                        sc = builder.or_(builder.and_(q(sb + 4), i8(15)), builder.shl(builder.lshr(q(sb - 4), i8(6)), i8(4)))
+                        m = builder.or_(builder.lshr(q(sb + 4), i8(4)), builder.shl(builder.lshr(q(sb), i8(6)), i8(4)))
+                    scale(h, builder.fmul(d, builder.uitofp(sc, _V8F)), 64 * j + 32 * h)
+                    mins(builder.fneg(builder.fmul(dmin, builder.uitofp(m, _V8F))), 64 * j + 32 * h, 32)
+        elif name == "Q6_K":
+            d = f16s(104)
+            m32 = builder.fmul(d, ir.Constant(_V8F, [-32.0] * 8))
+            for n in range(2):
+                for half in (0, 1):  # columns l of 16 half .. 16 half + 15 of the four 32s: scales 8n + 2k + half
+                    sc = []
+                    for k in range(4):  # the 8 rows' int8 scale, in both 16-bit lanes of their 32 (vpmaddwd's)
+                        v = builder.sext(builder.trunc(bytes8(192 + 8 * n + 2 * k + half), ir.VectorType(_I8, 8)), _V8H)
+                        sc.append(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16),
+                                                                           [r // 2 for r in range(16)])))
+                    runs = {k: [] for k in range(4)}
+                    for c in range(4 * half, 4 * half + 4):
+                        a, b, hb = quad(32 * n + 2 * c), quad(32 * n + 16 + 2 * c), quad(64 + 16 * n + 2 * c)
+                        low = [builder.and_(a, b32(15)), builder.and_(b, b32(15)), builder.lshr(a, b32(4)),
+                               builder.lshr(b, b32(4))]
+                        for k in range(4):
+                            high = builder.shl(builder.and_(builder.lshr(hb, b32(2 * k)), b32(3)), b32(4))
+                            runs[k].append(builder.or_(low[k], high))
+                            if c % 2:  # two runs of 4 columns: 16-bit sums of codes < 64 stay below 2^15
+                                dot_scaled(k, runs[k], 128 * n + 32 * k + 4 * c - 4, sc[k])
+                                runs[k] = []
+                    for k in range(4):  # the -32 offset: d (-32) sc times x's sum over the 16 columns
+                        coef = builder.fmul(m32, builder.sitofp(builder.sext(builder.trunc(
+                            bytes8(192 + 8 * n + 2 * k + half), ir.VectorType(_I8, 8)), _V8I), _V8F))
+                        mins(coef, 128 * n + 32 * k + 16 * half, 16)
+                for k in range(4):
+                    scale(k, d, 128 * n + 32 * k)
+        else:
+            raise ValueError(name)
+
+    def _quad_codegen(ng: int, vnni: bool):
+        def codegen(context, builder, sig, args):
+            kind, lo, hi, g0 = args[0], args[2], args[3], args[8]
+            tiles, xq, xs, xsum, xsum16, y = (context.make_array(sig.args[j])(context, builder, args[j])
+                                              for j in (1, 4, 5, 6, 7, 9))
+            K = cgutils.unpack_tuple(builder, xq.shape, 2)[1]
+            rows = [builder.add(g0, ir.Constant(_I64, g)) for g in range(ng)]
+            x_q = [ir_at(builder, xq, r) for r in rows]
+            x_s, x_sum, x_sum16 = ([ir_at(builder, a, r) for r in rows] for a in (xs, xsum, xsum16))
+            fma = cgutils.get_or_insert_function(builder.module, ir.FunctionType(_V8F, [_V8F] * 3), "llvm.fma.v8f32")
+            acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
+            c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+            ones = ir.Constant(_V16S, [1] * 16)
+
+            def splat_f(v):
+                one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
+                return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
+
+            with cgutils.for_range(builder, builder.sub(hi, lo)) as tile:
+                t = builder.add(lo, tile.index)
+                for g in range(ng):
+                    builder.store(ir.Constant(_V8F, [0.0] * 8), acc[g])
+                t_row = ir_at(builder, tiles, t)
+                end = builder.append_basic_block("quads.end")
+                switch = builder.switch(kind, end)
+                for k, name in enumerate(QUAD_TYPES):
+                    case = builder.append_basic_block(f"quads.{name}")
+                    switch.add_case(ir.Constant(_I64, k), case)
+                    builder.position_at_end(case)
+                    bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
+                    pos = tile_places(name)
+                    with cgutils.for_range(builder, builder.udiv(K, c64(256))) as blk:
+                        at = builder.add(t_row, builder.mul(blk.index, c64(bb * TILE_ROWS)))
+                        col0 = builder.mul(blk.index, c64(256))
+
+                        def unit_at(unit, at=at, pos=pos):
+                            return builder.add(at, c64(2 * pos[unit]))
+
+                        def quad(unit):
+                            return ir_load_ordered(builder, unit_at(unit), _V32B)
+
+                        def f16s(unit):
+                            return builder.fpext(ir_load_ordered(builder, unit_at(unit), ir.VectorType(ir.HalfType(), 8)),
+                                                 _V8F)
+
+                        def bytes8(byte):  # byte `byte` of the 8 rows' blocks (a one-unit piece, every other byte)
+                            v = ir_load_ordered(builder, unit_at(byte // 2), _V16B)
+                            pick = builder.shuffle_vector(v, v, ir.Constant(_V8I, [2 * r + byte % 2 for r in range(8)]))
+                            return builder.zext(pick, _V8I)
+
+                        def xquad(g, col, col0=col0):  # x's columns col..col+3 of row g in every 32-bit lane
+                            one = builder.insert_element(ir.Constant(_V8I, None),
+                                                         ir_load(builder, builder.add(x_q[g], builder.add(col0, c64(col))),
+                                                                 _I32), ir.Constant(_I32, 0))
+                            return builder.bitcast(builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8)), _V32B)
+
+                        def per(arr, g, col, width, col0=col0):  # xs / xsum / xsum16 of row g for the columns at col
+                            at_w = builder.udiv(builder.add(col0, c64(col)), c64(width))
+                            return splat_f(ir_load(builder, builder.add(arr[g], builder.mul(at_w, c64(4))), _F32))
+
+                        wide = {}  # slot -> per row of x its int32 sums (None: none yet)
+                        narrow = {}  # slot -> (per row of x its 16-bit sums, how many runs they hold)
+
+                        def add32(slot, g, v):
+                            sums = wide.setdefault(slot, [None] * ng)
+                            sums[g] = v if sums[g] is None else builder.add(sums[g], v)
+
+                        def flush(slot):
+                            sums, _ = narrow.pop(slot, (None, 0))
+                            for g in range(ng if sums else 0):
+                                add32(slot, g, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, sums[g], ones))
+
+                        def dot(slot, codes, col, top):
+                            if vnni:  # the 4 products of a lane and their sum added in one instruction
+                                for g in range(ng):
+                                    sums = wide.setdefault(slot, [None] * ng)
+                                    base = sums[g] if sums[g] is not None else ir.Constant(_V8I, [0] * 8)
+                                    sums[g] = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I, base,
+                                                    builder.bitcast(codes, _V8I), builder.bitcast(xquad(g, col), _V8I))
+                                return
+                            if narrow.get(slot, (None, 0))[1] * 2 * top * 127 + 2 * top * 127 > 32767:
+                                flush(slot)
+                            sums, n = narrow.get(slot, ([None] * ng, 0))
+                            for g in range(ng):
+                                p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, codes, xquad(g, col))
+                                sums[g] = p if sums[g] is None else builder.add(sums[g], p)
+                            narrow[slot] = (sums, n + 1)
+
+                        def dot_scaled(slot, runs, col, sc):
+                            for g in range(ng):
+                                p = None
+                                for i, codes in enumerate(runs):
+                                    v = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, codes, xquad(g, col + 4 * i))
+                                    p = v if p is None else builder.add(p, v)
+                                sums = wide.setdefault(slot, [None] * ng)
+                                if vnni:
+                                    base = sums[g] if sums[g] is not None else ir.Constant(_V8I, [0] * 8)
+                                    sums[g] = _call(builder, "llvm.x86.avx512.vpdpwssd.256", _V8I, base,
+                                                    builder.bitcast(p, _V8I), builder.bitcast(sc, _V8I))
+                                else:
+                                    add32(slot, g, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, p, sc))
+
+                        def scale(slot, coef, col):
+                            flush(slot)
+                            sums = wide.pop(slot)
+                            for g in range(ng):
+                                builder.store(builder.call(fma, [builder.sitofp(sums[g], _V8F),
+                                                                 builder.fmul(coef, per(x_s, g, col, 32)),
+                                                                 builder.load(acc[g])]), acc[g])
+
+                        def mins(coef, col, width):
+                            arr = x_sum if width == 32 else x_sum16
+                            for g in range(ng):
+                                builder.store(builder.call(fma, [coef, per(arr, g, col, width), builder.load(acc[g])]),
+                                              acc[g])
+
+                        _quad_body(name, builder, quad, f16s, bytes8, dot, dot_scaled, scale, mins)
+                    builder.branch(end)
+                builder.position_at_end(end)
+                for g in range(ng):
+                    ir_store(builder, builder.load(acc[g]), ir_at(builder, y, rows[g], builder.mul(t, c64(TILE_ROWS))))
+            return context.get_dummy_value()
+
+        return codegen
+
+    def _quad_intrinsic(ng: int):
+        """ggml_quad_dots' signature: (kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)."""
+        def typer(typingctx, kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y):
+            i = types.int64
+            return types.none(i, tiles, i, i, xq, xs, xsum, xsum16, i, y), _quad_codegen(ng, target_has("avx512vnni"))
+
+        return intrinsic(typer)
+
+    ggml_quad_dots1, ggml_quad_dots2, ggml_quad_dots3, ggml_quad_dots4 = (_quad_intrinsic(g) for g in (1, 2, 3, 4))
