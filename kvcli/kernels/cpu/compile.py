@@ -148,20 +148,6 @@ if numba is not None:
     array_math_without_scipy()
 
 
-def target_has(feature: str) -> bool:
-    """The CPU numba compiles for has LLVM's `feature` (e.g. "avx512vnni"): NUMBA_CPU_FEATURES where set (KVCLI_ISA's
-    level), else the host's. A kernel's code may use an instruction only where this says so (numba's cache keys on
-    the same name and features)."""
-    if os.environ.get("NUMBA_CPU_NAME"):
-        return f"+{feature}" in os.environ.get("NUMBA_CPU_FEATURES", "").split(",")
-    from llvmlite import binding
-
-    try:
-        return bool(binding.get_host_cpu_features().get(feature))
-    except RuntimeError:
-        return False
-
-
 def available() -> bool:
     return numba is not None
 

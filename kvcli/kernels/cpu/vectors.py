@@ -8,16 +8,32 @@ x86-specific intrinsic is named as such where it is used, and its kernel's table
 
 from __future__ import annotations
 
+import os
+
 import gguf
 import numpy as np
 
-from .compile import VEC, numba, target_has
+from .compile import VEC, numba
 
 if numba is not None:
     from llvmlite import ir
     from numba import types
     from numba.core import cgutils
     from numba.extending import intrinsic, overload
+
+
+def target_has(feature: str) -> bool:
+    """The CPU numba compiles for has LLVM's `feature` (e.g. "avx512vnni"): NUMBA_CPU_FEATURES where set (KVCLI_ISA's
+    level), else the host's. A kernel's code may use an instruction only where this says so (numba's cache keys on
+    the same name and features)."""
+    if os.environ.get("NUMBA_CPU_NAME"):
+        return f"+{feature}" in os.environ.get("NUMBA_CPU_FEATURES", "").split(",")
+    from llvmlite import binding  # numba's own: only where numba is
+
+    try:
+        return bool(binding.get_host_cpu_features().get(feature))
+    except RuntimeError:
+        return False
 
 
 def to_f32(x):
