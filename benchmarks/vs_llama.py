@@ -48,7 +48,8 @@ def kvcli_bench(model: str, cache: str, threads: int, args, extra: list[str]) ->
 
 def peak_rss_and_load(cmd: list[str]) -> tuple[float, float | None]:
     """(peak RSS MiB, load time ms from the tool's own 'load time' line)."""
-    r = subprocess.run(["/usr/bin/time", "-v", *cmd], stdin=subprocess.DEVNULL, capture_output=True, text=True)
+    r = subprocess.run(["/usr/bin/time", "-v", *cmd], stdin=subprocess.DEVNULL, capture_output=True, text=True,
+                       errors="replace")  # a random-weight model's text need not be UTF-8
     if r.returncode != 0:
         raise SystemExit(f"failed: {' '.join(cmd)}\n{r.stderr[-2000:]}")
     rss = int(re.search(r"Maximum resident set size \(kbytes\): (\d+)", r.stderr).group(1)) / 1024

@@ -1024,8 +1024,14 @@ def _tile_types() -> tuple[str, ...]:
 
 
 def _tiles_slab(form: FileTiles, start: int, stop: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """ROWS for FileTiles: the rows put back in the file's order, then decoded as FileBlocks' (_file_slab)."""
-    return _file_slab(FileBlocks(form.file_rows(start, stop), form.type, form.k), 0, stop - start, dtype)
+    """ROWS for FileTiles: whole tiles put back and decoded in one pass into the thread's scratch of `dtype` (f32 or
+    bf16: ggml_tiles.decoded), as W.T; other rows put back in the file's order, then decoded as FileBlocks'."""
+    if start % form.per_tile or stop % form.per_tile or dtype not in (torch.float32, torch.bfloat16):
+        return _file_slab(FileBlocks(form.file_rows(start, stop), form.type, form.k), 0, stop - start, dtype)
+    out = _scratch(form.k * (stop - start), dtype).view(stop - start, form.k)
+    _cpu_kernel("ggml_tiles").decoded(form.type, form.tiles, start // form.per_tile, stop // form.per_tile,
+                                      (out if dtype == torch.float32 else out.view(torch.int16)).numpy())
+    return out.T
 
 
 def _file_tiles_dot(form: FileTiles, x: torch.Tensor) -> torch.Tensor:

@@ -159,6 +159,43 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type, kernel):
         np.testing.assert_array_equal(o, outs[0])
 
 
+_AVX2_PRODUCTS = """
+import sys, numpy as np
+from kvcli.kernels.cpu import ggml_tiles
+from tests.test_file_blocks import adversarial
+for t in sys.argv[1:]:
+    raw = adversarial(t, 24, 512, seed=4)
+    x = np.random.default_rng(5).standard_normal((5, 512)).astype(np.float32)
+    sys.stdout.buffer.write(ggml_tiles.matmul(t, ggml_tiles.retile(t, raw), x).tobytes())
+"""
+
+
+def test_the_k_quants_tiles_give_the_same_bits_on_avx2_and_vnni():
+    """The K-quants' tiles compiled for VNNI (vpdpbusd / vpdpwssd) and for AVX2 (vpmaddubsw, vpmaddwd) sum the same
+    integers exactly: the same bits. The AVX2 code runs in a process under KVCLI_ISA=avx2 (numba compiling for
+    haswell), so a VNNI machine's CI runs both."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    vectors = importlib.import_module("kvcli.kernels.cpu.vectors")
+    if "Q4_K" not in tile_types() or not vectors.target_has("avx512vnni"):
+        pytest.skip("the tiles' VNNI code is not compiled here (an AVX2 machine runs only the AVX2 code)")
+    tiles = importlib.import_module("kvcli.kernels.cpu.ggml_tiles")
+    root = Path(__file__).resolve().parents[1]
+    env = {k: v for k, v in os.environ.items() if not k.startswith("NUMBA_CPU")}
+    env.update(KVCLI_ISA="avx2", ATEN_CPU_CAPABILITY="avx2", PYTHONPATH=str(root))
+    types_ = list(vectors.QUAD_TYPES)
+    out = subprocess.run([sys.executable, "-c", _AVX2_PRODUCTS, *types_], env=env, cwd=root, capture_output=True,
+                         check=True).stdout
+    avx2 = np.frombuffer(out, np.float32).reshape(len(types_), 5, 24)
+    for i, t in enumerate(types_):
+        raw = adversarial(t, 24, 512, seed=4)
+        x = np.random.default_rng(5).standard_normal((5, 512)).astype(np.float32)
+        np.testing.assert_array_equal(tiles.matmul(t, tiles.retile(t, raw), x), avx2[i], err_msg=t)
+
+
 def iq4_nl_quantize(w: np.ndarray) -> np.ndarray:
     """A plain IQ4_NL quantizer (gguf-py has none): each block of 32 scaled by its largest |w| / 127 onto the
     codebook, each element its nearest entry -> (N, K / 32 * 18) bytes: f16 d, then 16 bytes of nibble pairs."""
@@ -240,6 +277,12 @@ def test_tiles_hold_the_files_bytes(ggml_type):
     ids = torch.tensor([[47, 0], [9, 9]])
     assert torch.equal(form.rows(ids), blocks.rows(ids))
     assert torch.equal(form.slab_t(5, 30), blocks.slab_t(5, 30))
+    from kvcli.weights import _tiles_slab  # a batch's slab: whole tiles decoded in one pass (f32, bf16), others apart
+
+    for start, stop in ((8, 40), (0, 48), (3, 29)):
+        want = blocks.slab_t(start, stop)
+        assert torch.equal(_tiles_slab(form, start, stop), want)
+        assert torch.equal(_tiles_slab(form, start, stop, torch.bfloat16), want.bfloat16())
 
 
 def test_a_tiles_units_lie_in_the_order_its_kernel_reads_them():

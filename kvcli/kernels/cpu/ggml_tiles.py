@@ -19,15 +19,18 @@ A row's bits do not depend on the rows beside it nor on the thread count. Rows a
 
 from __future__ import annotations
 
+import functools
+
 import gguf
 import numpy as np
 
 from . import ggml_dot
 from .compile import RNE, available, exact_jit, jit, jit_threaded, numba
-from .ggml_rows import _threads
+from .ggml_rows import IQ4_VALUES, KINDS, _decode_row, _threads
 from .vectors import QUAD_TYPES, TILE_ROWS, TILE_TYPES, WORD_TYPES, tile_order, tile_places
 
 if numba is not None:
+    from .vectors import bf16_from_f32
     from .vectors import ggml_quad_dots1, ggml_quad_dots2, ggml_quad_dots3, ggml_quad_dots4
     from .vectors import ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4
 
@@ -60,29 +63,60 @@ def _to_tiles(raw, tiles, lo, hi, order, place, width, qh):
                         tiles[t, o + 8 * qh + 2 * r + e] = np.uint16(word)
 
 
+@jit
+def _untile_one(tiles, t, raw, row0, order, place, width, qh):
+    """_to_tiles' inverse for tile t into raw's rows row0 .. row0 + 7 (16-bit units both)."""
+    units = order.shape[0]
+    for b in range(raw.shape[1] // units):
+        o, dst = 8 * b * units, b * units
+        for p in range(units):
+            for r in range(8):
+                raw[row0 + r, dst + order[p]] = tiles[t, o + place[p] + width[p] * r]
+        if qh >= 0:
+            for r in range(8):
+                bits = np.uint32(0)
+                for e in range(2):
+                    word = np.uint32(tiles[t, o + 8 * qh + 2 * r + e])
+                    for h in range(2):
+                        for c in range(8):
+                            bits |= ((word >> (c + 8 * h)) & 1) << (2 * c + e + 16 * h)
+                raw[row0 + r, dst + qh] = np.uint16(bits & 0xFFFF)
+                raw[row0 + r, dst + qh + 1] = np.uint16(bits >> 16)
+
+
 @jit_threaded
 def _from_tiles(tiles, raw, lo, hi, order, place, width, qh):
     """_to_tiles' inverse for tiles lo..hi-1 into raw's rows 0 .. 8 (hi - lo) - 1 (threaded: a batch's slabs put back
     took 7% of Qwen's pp512 in one thread)."""
-    units = order.shape[0]
     for t in numba.prange(lo, hi):
-        for b in range(raw.shape[1] // units):
-            o, dst = 8 * b * units, b * units
-            for p in range(units):
-                for r in range(8):
-                    raw[8 * (t - lo) + r, dst + order[p]] = tiles[t, o + place[p] + width[p] * r]
-            if qh >= 0:
-                for r in range(8):
-                    bits = np.uint32(0)
-                    for e in range(2):
-                        word = np.uint32(tiles[t, o + 8 * qh + 2 * r + e])
-                        for h in range(2):
-                            for c in range(8):
-                                bits |= ((word >> (c + 8 * h)) & 1) << (2 * c + e + 16 * h)
-                    raw[8 * (t - lo) + r, dst + qh] = np.uint16(bits & 0xFFFF)
-                    raw[8 * (t - lo) + r, dst + qh + 1] = np.uint16(bits >> 16)
+        _untile_one(tiles, t, raw, 8 * (t - lo), order, place, width, qh)
 
 
+@jit_threaded
+def _decoded(tiles, lo, hi, order, place, width, qh, kind, values, out, bf16, threads):
+    """out[8 (t - lo) + r] = row r of tile t as ggml_rows decodes it (its KINDS[kind]), tiles lo..hi-1 in `threads`
+    runs: each tile put back into an 8-row buffer and each row decoded into an f32 row in the core's cache, then
+    written to out (rows, K) as f32, or as bf16 bits (out int16) where bf16: a batch's slab in one pass over the
+    tiles, where untile, a decode and a conversion each wrote the slab (the 1B's pp512 spent 12% there)."""
+    K = out.shape[1]
+    for c in numba.prange(threads):
+        raw = np.empty((8, tiles.shape[1] // 8), np.uint16)
+        row = np.empty((1, K), np.float32)
+        as_bytes = raw.view(np.uint8)
+        for t in range(lo + (hi - lo) * c // threads, lo + (hi - lo) * (c + 1) // threads):
+            _untile_one(tiles, t, raw, 0, order, place, width, qh)
+            for r in range(8):
+                _decode_row(kind, as_bytes, r, row, 0, values)
+                o = 8 * (t - lo) + r
+                if bf16:
+                    for k in range(K):
+                        out[o, k] = bf16_from_f32(row[0, k])
+                else:
+                    for k in range(K):
+                        out[o, k] = row[0, k]
+
+
+@functools.cache
 def _layout(ggml_type: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, int]:
     """(a block's 16-bit units in the tile's order, the tile unit of each one's row 0 copy, its piece's width (the
     units between rows), the first unit of its fifth bits to regroup or -1)."""
@@ -128,6 +162,15 @@ def untile(ggml_type: str, tiles: np.ndarray, lo: int = 0, hi: int | None = None
     raw = np.empty((TILE_ROWS * (hi - lo), tiles.shape[1] // TILE_ROWS), np.uint8)
     _from_tiles(_units(tiles), _units(raw), lo, hi, *_layout(ggml_type))
     return raw
+
+
+def decoded(ggml_type: str, tiles: np.ndarray, lo: int, hi: int, out: np.ndarray) -> np.ndarray:
+    """Rows 8 lo .. 8 hi - 1 of W as f32 (out float32 (8 (hi - lo), K)) or bf16 (out int16 of bf16 bits), out filled
+    and returned: untile and ggml_rows' decoder in one pass."""
+    threads = _threads()
+    _decoded(_units(tiles), lo, hi, *_layout(ggml_type), KINDS.index(ggml_type), IQ4_VALUES, out, out.dtype == np.int16,
+             max(1, min(threads, hi - lo)))
+    return out
 
 
 @jit
