@@ -48,6 +48,10 @@ from kvcli.memory import mapped_empty
 # Rows up to which a FileBlocks product runs on the blocks (a slab of rows decoded for every row of x); a larger batch
 # decodes f32 slabs for a GEMM.
 FILE_GEMV_ROWS = 16
+# Types whose tiles' kernel (8-bit x) stays ahead of slabs + GEMM for more rows: at 64 rows a Q4_K 2048 x 2048 product
+# 1.55x (AVX2 paths, f32 GEMM) and 1.86x (AVX-512 EPYC, bf16 GEMM), 8192 x 2048 1.77x and 2.09x; at 512 rows on par
+# (benchmarks/README.md section 14). Q6_K's per-16 scales keep it at FILE_GEMV_ROWS (0.95x at 64 rows natively).
+TILE_GEMV_ROWS = {"Q4_K": 64, "Q5_K": 64}
 # Rows above which a product dequantizes to f32 and runs a GEMM: a CPU multiplies one row by
 # f16 or packed codes fast (GEMV), a prefill batch faster as an f32 GEMM, conversion included.
 UPCAST_ROWS = 32
@@ -1038,7 +1042,7 @@ def _file_tiles_dot(form: FileTiles, x: torch.Tensor) -> torch.Tensor:
     """PRODUCT's run for FileTiles: up to FILE_GEMV_ROWS rows by ggml_tiles' kernel, a batch by slabs + GEMM
     (batch_dtype)."""
     rows = _rows(x)
-    if rows > FILE_GEMV_ROWS:
+    if rows > TILE_GEMV_ROWS.get(form.type, FILE_GEMV_ROWS):
         return _file_slab_products(form, x, functools.partial(_tiles_slab, form), form.per_tile, batch_dtype())
     y = _cpu_kernel("ggml_tiles").matmul(form.type, form.tiles, x.reshape(rows, form.k).contiguous().numpy())
     return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])

@@ -13,7 +13,8 @@ times sx and one with the mins times xsum. Two ways with x:
   QUAD_TYPES (Q4_K, Q5_K, Q6_K): x as llama.cpp's q8 activations, 8-bit per 32 columns (quantize_x8); the codes lie
       in pieces of 4 bytes a row, so 32 bytes are 8 rows' 4 columns, and one x quad (a splat 32-bit word) meets them
       in vpmaddubsw (or VNNI's vpdpbusd): half the instructions a code of the 16-bit way (vectors.ggml_quad_dots).
-      Qwen2.5-Coder's decode KLD against --weights f32 0.00014; the synthetic 1B's tg128 1.28-1.3x.
+      Qwen2.5-Coder's decode KLD against --weights f32 0.00014; the synthetic 1B's decode 1.28-1.3x as fast, now at
+      the memory's rate (benchmarks/README.md section 14).
 A row's bits do not depend on the rows beside it nor on the thread count. Rows a multiple of 8.
 """
 
@@ -34,7 +35,8 @@ if numba is not None:
     from .vectors import ggml_quad_dots1, ggml_quad_dots2, ggml_quad_dots3, ggml_quad_dots4
     from .vectors import ggml_tile_dots1, ggml_tile_dots2, ggml_tile_dots3, ggml_tile_dots4
 
-__all__ = ["TILE_ROWS", "TILE_TYPES", "available", "matmul", "retile", "unit_place", "untile", "warm_up"]
+__all__ = ["QUAD_TYPES", "TILE_ROWS", "TILE_TYPES", "WORD_TYPES", "available", "decoded", "matmul", "retile", "unit_place",
+           "untile", "warm_up"]
 
 
 @jit_threaded
