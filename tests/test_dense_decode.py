@@ -289,8 +289,9 @@ def test_exp_f32_follows_libm():
 
 
 def test_a_changed_shared_file_drops_the_compiled_kernels(tmp_path):
-    """numba would load a kernel compiled against older shared intrinsics (its cache follows the kernel's own file): a
-    change of compile.py or vectors.py drops the folder's compiled kernels once, then keeps them."""
+    """numba would load a kernel compiled against older shared intrinsics or an older callee in another file (its cache
+    follows the kernel's own file): a change of any file of the folder drops its compiled kernels once, then keeps
+    them."""
     from kvcli.kernels.cpu.compile import drop_stale_kernels
 
     kernels = [tmp_path / "__pycache__" / "weights._gemv-1.py311.nbi", tmp_path / "__pycache__" / "x.nbc"]
@@ -306,6 +307,11 @@ def test_a_changed_shared_file_drops_the_compiled_kernels(tmp_path):
     drop_stale_kernels(tmp_path)  # the stamp now matches: nothing dropped
     assert all(f.exists() for f in kernels)
     (tmp_path / "vectors.py").write_text("a newer vectors.py")
+    drop_stale_kernels(tmp_path)
+    assert not any(f.exists() for f in kernels)
+    for f in kernels:
+        f.write_text("compiled")
+    (tmp_path / "ggml_tiles.py").write_text("a kernel another compiles into its own (decode_layer.py)")
     drop_stale_kernels(tmp_path)
     assert not any(f.exists() for f in kernels)
 

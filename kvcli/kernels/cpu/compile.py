@@ -37,12 +37,13 @@ except ImportError:  # pragma: no cover - numba is a dependency; kept optional f
 
 def drop_stale_kernels(folder: Path = Path(__file__).resolve().parent) -> None:
     """numba keys a kernel's cache on its own file's time stamp only: a kernel compiled against an older version of
-    the shared intrinsics and flags (this file and vectors.py) would load as it was (a `git pull` that changes only
-    those; seen here: an attention kernel returning wrong values). So the compiled kernels in this folder's
-    __pycache__ are dropped whenever those files' contents change (a stamp of them kept there). A read-only install
-    is left alone: installing wrote every file anew, and its caches live elsewhere. The one place numba's cache is
-    handled."""
-    stamp = hashlib.sha1(b"".join((folder / name).read_bytes() for name in SHARED if (folder / name).exists()))
+    what it calls in another file (the shared intrinsics and flags, vectors.py and this file; another kernel's
+    functions, as decode_layer.py compiles ggml_tiles.py's into its own) would load as it was (a `git pull` that
+    changes only those; seen here: an attention kernel returning wrong values, and a decode layer keeping an old
+    tile layout). So the compiled kernels in this folder's __pycache__ are dropped whenever any of its files'
+    contents change (a stamp of them kept there). A read-only install is left alone: installing wrote every file
+    anew, and its caches live elsewhere. The one place numba's cache is handled."""
+    stamp = hashlib.sha1(b"".join(f.read_bytes() for f in sorted(folder.glob("*.py"))))
     mark = folder / "__pycache__" / "kernels.stamp"
     try:
         if mark.read_text() == stamp.hexdigest():
@@ -56,9 +57,6 @@ def drop_stale_kernels(folder: Path = Path(__file__).resolve().parent) -> None:
         mark.write_text(stamp.hexdigest())
     except OSError:
         pass
-
-
-SHARED = ("compile.py", "vectors.py")  # the files every kernel's compiled code depends on
 
 
 def elf_defined_symbols(obj: bytes) -> set[str] | None:

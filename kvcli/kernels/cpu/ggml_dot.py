@@ -25,10 +25,12 @@ X_RANGE = 32767  # |xi| of a block's largest element
 
 
 @exact_jit
-def quantize_x(x, xi, xs, xsum):
-    """x (M, K) f32 -> xi (M, K) int16, x / sx rounded to nearest even, sx = max |x| / X_RANGE per 32 columns (xs
-    (M, K / 32) f32; 0 and all-zero xi where the block is 0), xsum = sx sum xi."""
+def quantize_x(x, xi, xs, xsum, xsum16, x_range):
+    """x (M, K) f32 -> xi (M, K) int16 or int8, x / sx rounded to nearest even, sx = max |x| / x_range per 32 columns
+    (xs (M, K / 32) f32; 0 and all-zero xi where the block is 0), xsum = sx sum xi; xsum16 (M, K / 16) the same per
+    16 columns where it has columns (ggml_tiles' 8-bit x: Q6_K's offset per 16)."""
     M, K = x.shape
+    halves = xsum16.shape[1] > 0
     for m in range(M):
         for b in range(K // 32):
             amax = np.float32(0)
@@ -38,16 +40,22 @@ def quantize_x(x, xi, xs, xsum):
                 xi[m, 32 * b : 32 * b + 32] = 0
                 xs[m, b] = 0
                 xsum[m, b] = 0
+                if halves:
+                    xsum16[m, 2 * b : 2 * b + 2] = 0
                 continue
-            sx = amax / np.float32(X_RANGE)
+            sx = amax / np.float32(x_range)
             inv = np.float32(1) / sx
-            total = 0
-            for k in range(32 * b, 32 * b + 32):
-                v = min(max(np.int32((x[m, k] * inv + RNE) - RNE), -X_RANGE), X_RANGE)
-                xi[m, k] = v
-                total += v
+            totals = [0, 0]
+            for h in range(2):
+                for k in range(32 * b + 16 * h, 32 * b + 16 * h + 16):
+                    v = min(max(np.int32((x[m, k] * inv + RNE) - RNE), -x_range), x_range)
+                    xi[m, k] = v
+                    totals[h] += v
             xs[m, b] = sx
-            xsum[m, b] = sx * np.float32(total)
+            xsum[m, b] = sx * np.float32(totals[0] + totals[1])
+            if halves:
+                xsum16[m, 2 * b] = sx * np.float32(totals[0])
+                xsum16[m, 2 * b + 1] = sx * np.float32(totals[1])
 
 
 @jit
@@ -73,7 +81,7 @@ def quantized(x):
     """x (M, K) f32 -> quantize_x's (xi, xs, xsum), made inside the compiled call (no buffers from Python)."""
     M, K = x.shape
     xi, xs, xsum = np.empty((M, K), np.int16), np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)
-    quantize_x(x, xi, xs, xsum)
+    quantize_x(x, xi, xs, xsum, np.empty((M, 0), np.float32), X_RANGE)
     return xi, xs, xsum
 
 

@@ -10,7 +10,7 @@ times sx and one with the mins times xsum. Two ways with x:
   WORD_TYPES (Q4_0-Q8_0): x as ggml_dot quantizes it (15-bit); a run of 16 code bytes (one 16-bit unit of the 8
       rows) widened to 16-bit lanes holds 8 rows' codes of two columns, one x pair (a splat 32-bit word) meets them
       in vpmaddwd (vectors.ggml_tile_dots). 8-bit x moved SmolLM2's (Q4_1) decode KLD to 0.0028 (benchmarks/README.md).
-  QUAD_TYPES (Q4_K, Q5_K, Q6_K): x as llama.cpp's q8 activations, 8-bit per 32 columns (quantize_x8); the codes lie
+  QUAD_TYPES (Q4_K, Q5_K, Q6_K): x as llama.cpp's q8 activations, 8-bit per 32 columns (quantized8); the codes lie
       in pieces of 4 bytes a row, so 32 bytes are 8 rows' 4 columns, and one x quad (a splat 32-bit word) meets them
       in vpmaddubsw (or VNNI's vpdpbusd): half the instructions a code of the 16-bit way (vectors.ggml_quad_dots).
       Qwen2.5-Coder's decode KLD against --weights f32 0.00014; the synthetic 1B's decode 1.28-1.3x as fast, now at
@@ -26,7 +26,7 @@ import gguf
 import numpy as np
 
 from . import ggml_dot
-from .compile import RNE, available, exact_jit, jit, jit_threaded, numba
+from .compile import available, jit, jit_threaded, numba
 from .ggml_rows import IQ4_VALUES, KINDS, _decode_row, _threads
 from .vectors import QUAD_TYPES, TILE_ROWS, TILE_TYPES, WORD_TYPES, tile_order, tile_places
 
@@ -196,43 +196,14 @@ def _span(kind, tiles, xi, xs, xsum, y, lo, hi):
 X8_RANGE = 127  # |xq| of a block's largest element: 8-bit activations (QUAD_TYPES)
 
 
-@exact_jit
-def quantize_x8(x, xq, xs, xsum, xsum16):
-    """x (M, K) f32 -> xq (M, K) int8, x / sx rounded to nearest even, sx = max |x| / 127 per 32 columns (xs (M, K /
-    32); 0 and all-zero xq where the block is 0), xsum = sx sum xq per 32 columns, xsum16 the same per 16."""
-    M, K = x.shape
-    for m in range(M):
-        for b in range(K // 32):
-            amax = np.float32(0)
-            for k in range(32 * b, 32 * b + 32):
-                amax = max(amax, abs(x[m, k]))
-            if amax == 0:
-                xq[m, 32 * b : 32 * b + 32] = 0
-                xs[m, b] = 0
-                xsum[m, b] = 0
-                xsum16[m, 2 * b : 2 * b + 2] = 0
-                continue
-            sx = amax / np.float32(X8_RANGE)
-            inv = np.float32(1) / sx
-            halves = [0, 0]
-            for h in range(2):
-                for k in range(32 * b + 16 * h, 32 * b + 16 * h + 16):
-                    v = min(max(np.int32((x[m, k] * inv + RNE) - RNE), -X8_RANGE), X8_RANGE)
-                    xq[m, k] = v
-                    halves[h] += v
-            xs[m, b] = sx
-            xsum[m, b] = sx * np.float32(halves[0] + halves[1])
-            xsum16[m, 2 * b] = sx * np.float32(halves[0])
-            xsum16[m, 2 * b + 1] = sx * np.float32(halves[1])
-
-
 @jit
 def quantized8(x):
-    """x (M, K) f32 -> quantize_x8's (xq, xs, xsum, xsum16), made inside the compiled call."""
+    """x (M, K) f32 -> ggml_dot.quantize_x's (xq, xs, xsum, xsum16) at 8 bits (|xq| <= X8_RANGE), made inside the
+    compiled call."""
     M, K = x.shape
     xq, xs = np.empty((M, K), np.int8), np.empty((M, K // 32), np.float32)
     xsum, xsum16 = np.empty((M, K // 32), np.float32), np.empty((M, K // 16), np.float32)
-    quantize_x8(x, xq, xs, xsum, xsum16)
+    ggml_dot.quantize_x(x, xq, xs, xsum, xsum16, X8_RANGE)
     return xq, xs, xsum, xsum16
 
 

@@ -1250,82 +1250,104 @@ if numba is not None:
         else:
             raise ValueError(name)
 
+    def _splat8(builder, v):
+        """The f32 v in 8 lanes."""
+        one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
+        return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
+
+    class _TileReads:
+        """What one block of a tile's 8 rows reads, for the tiles' codegens: W's units at their places (tile_places),
+        in program order (ir_load_ordered), and x's per-column figures of the block's columns."""
+
+        def __init__(self, builder, at, col0, places):
+            self.builder, self.at, self.col0, self.places = builder, at, col0, places
+
+        def unit_at(self, unit):
+            """The address of row 0's copy of the block's 16-bit unit `unit`."""
+            return self.builder.add(self.at, ir.Constant(_I64, 2 * self.places[unit]))
+
+        def f16s(self, unit):
+            """The 8 rows' f16 at `unit` (a one-unit piece) as 8 x f32."""
+            v = ir_load_ordered(self.builder, self.unit_at(unit), ir.VectorType(ir.HalfType(), 8))
+            return self.builder.fpext(v, _V8F)
+
+        def bytes8(self, byte):
+            """The 8 rows' byte `byte` of their blocks (in a one-unit piece: every other byte), zext to 8 x i32."""
+            b = self.builder
+            v = ir_load_ordered(b, self.unit_at(byte // 2), _V16B)
+            return b.zext(b.shuffle_vector(v, v, ir.Constant(_V8I, [2 * r + byte % 2 for r in range(8)])), _V8I)
+
+        def per(self, row, col, width):
+            """The f32 of x's row figures at address `row` (xs, xsum: one a `width` columns) for the columns at the
+            block's col, in 8 lanes."""
+            b = self.builder
+            at = b.udiv(b.add(self.col0, ir.Constant(_I64, col)), ir.Constant(_I64, width))
+            return _splat8(b, ir_load(b, b.add(row, b.mul(at, ir.Constant(_I64, 4))), _F32))
+
+    def _tile_loop(builder, kind, tiles, lo, hi, K, names, acc, y, rows, block):
+        """The tiles' kernels' frame: for each tile t of lo..hi-1 (8 rows of W), the 8 rows' f32 sums acc (a slot a
+        row of x) cleared, block(name, reads) for each block of the tile's type names[kind] (a switch over them;
+        reads: a _TileReads of the block), then acc stored to y[rows[g], 8 t .. 8 t + 7]."""
+        c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
+        with cgutils.for_range(builder, builder.sub(hi, lo)) as tile:
+            t = builder.add(lo, tile.index)
+            for a in acc:
+                builder.store(ir.Constant(_V8F, [0.0] * 8), a)
+            t_row = ir_at(builder, tiles, t)
+            end = builder.append_basic_block("tiles.end")
+            switch = builder.switch(kind, end)
+            for k, name in enumerate(names):
+                case = builder.append_basic_block(f"tiles.{name}")
+                switch.add_case(ir.Constant(_I64, k), case)
+                builder.position_at_end(case)
+                qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
+                places = tile_places(name)
+                with cgutils.for_range(builder, builder.udiv(K, c64(qk))) as blk:
+                    at = builder.add(t_row, builder.mul(blk.index, c64(bb * TILE_ROWS)))
+                    block(name, _TileReads(builder, at, builder.mul(blk.index, c64(qk)), places))
+                builder.branch(end)
+            builder.position_at_end(end)
+            for g, a in enumerate(acc):
+                ir_store(builder, builder.load(a), ir_at(builder, y, rows[g], builder.mul(t, c64(TILE_ROWS))))
+
     def _tile_codegen(ng: int):
         def codegen(context, builder, sig, args):
             kind, tiles, lo, hi, K, rows, x_i, x_s, x_sum, y, fma, acc = _dots_args(context, builder, sig, args, ng)
             c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
 
-            def splat_f(v):
-                one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
-                return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
+            def block(name, reads):
+                def run(unit):
+                    return builder.zext(ir_load_ordered(builder, reads.unit_at(unit), _V16B), _V16S)
 
-            with cgutils.for_range(builder, builder.sub(hi, lo)) as tile:
-                t = builder.add(lo, tile.index)
-                for g in range(ng):
-                    builder.store(ir.Constant(_V8F, [0.0] * 8), acc[g])
-                t_row = ir_at(builder, tiles, t)
-                end = builder.append_basic_block("tiles.end")
-                switch = builder.switch(kind, end)
-                for k, name in enumerate(WORD_TYPES):
-                    case = builder.append_basic_block(f"tiles.{name}")
-                    switch.add_case(ir.Constant(_I64, k), case)
-                    builder.position_at_end(case)
-                    qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
-                    pos = tile_places(name)  # a block's unit -> its (row 0's) place in the tile
-                    with cgutils.for_range(builder, builder.udiv(K, c64(qk))) as blk:
-                        b = blk.index
-                        at = builder.add(t_row, builder.mul(b, c64(bb * TILE_ROWS)))
-                        col0 = builder.mul(b, c64(qk))  # the block's first column
+                def pair(g, col):
+                    addr = builder.add(x_i[g], builder.mul(builder.add(reads.col0, c64(col)), c64(2)))
+                    one = builder.insert_element(ir.Constant(_V8I, None), ir_load(builder, addr, _I32),
+                                                 ir.Constant(_I32, 0))
+                    return builder.bitcast(builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8)), _V16S)
 
-                        def unit_at(unit, at=at, pos=pos):  # every load of W's bytes in order (ir_load_ordered)
-                            return builder.add(at, c64(2 * pos[unit]))
+                isums = {}  # slot -> per row of x, the int32 sums so far (None: empty)
 
-                        def run(unit):
-                            return builder.zext(ir_load_ordered(builder, unit_at(unit), _V16B), _V16S)
+                def madd(slot, codes, col):
+                    sums = isums.setdefault(slot, [None] * ng)
+                    for g in range(ng):
+                        p = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, codes, pair(g, col))
+                        sums[g] = p if sums[g] is None else builder.add(sums[g], p)
 
-                        def pair(g, col, col0=col0):
-                            addr = builder.add(x_i[g], builder.mul(builder.add(col0, c64(col)), c64(2)))
-                            one = builder.insert_element(ir.Constant(_V8I, None), ir_load(builder, addr, _I32),
-                                                         ir.Constant(_I32, 0))
-                            return builder.bitcast(builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8)), _V16S)
+                def scale(slot, coef, col):
+                    sums = isums.pop(slot)
+                    for g in range(ng):
+                        builder.store(builder.call(fma, [builder.sitofp(sums[g], _V8F),
+                                                         builder.fmul(coef, reads.per(x_s[g], col, 32)),
+                                                         builder.load(acc[g])]), acc[g])
 
-                        def f16s(unit):
-                            return builder.fpext(ir_load_ordered(builder, unit_at(unit), ir.VectorType(ir.HalfType(), 8)),
-                                                 _V8F)
+                def mins(coef, col):
+                    for g in range(ng):
+                        builder.store(builder.call(fma, [coef, reads.per(x_sum[g], col, 32), builder.load(acc[g])]),
+                                      acc[g])
 
-                        def bytes8(byte):  # byte `byte` of the 8 rows' blocks: in unit byte // 2, every other
-                            v = ir_load_ordered(builder, unit_at(byte // 2), _V16B)
-                            pick = builder.shuffle_vector(v, v, ir.Constant(_V8I, [2 * r + byte % 2 for r in range(8)]))
-                            return builder.zext(pick, _V8I)
+                _tile_body(name, builder, reads.unit_at, run, reads.f16s, reads.bytes8, madd, scale, mins)
 
-                        def per_32(arr, g, col, col0=col0):  # xs / xsum of row g for the 32 columns at col
-                            at32 = builder.udiv(builder.add(col0, c64(col)), c64(32))
-                            return splat_f(ir_load(builder, builder.add(arr[g], builder.mul(at32, c64(4))), _F32))
-
-                        isums = {}  # slot -> per row of x, the int32 sums so far (None: empty)
-
-                        def madd(slot, codes, col):
-                            sums = isums.setdefault(slot, [None] * ng)
-                            for g in range(ng):
-                                p = _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, codes, pair(g, col))
-                                sums[g] = p if sums[g] is None else builder.add(sums[g], p)
-
-                        def scale(slot, coef, col):
-                            sums = isums.pop(slot)
-                            for g in range(ng):
-                                builder.store(builder.call(fma, [builder.sitofp(sums[g], _V8F),
-                                                                 builder.fmul(coef, per_32(x_s, g, col)),
-                                                                 builder.load(acc[g])]), acc[g])
-
-                        def mins(coef, col):
-                            for g in range(ng):
-                                builder.store(builder.call(fma, [coef, per_32(x_sum, g, col), builder.load(acc[g])]), acc[g])
-
-                        _tile_body(name, builder, unit_at, run, f16s, bytes8, madd, scale, mins)
-                    builder.branch(end)
-                builder.position_at_end(end)
-                for g in range(ng):
-                    ir_store(builder, builder.load(acc[g]), ir_at(builder, y, rows[g], builder.mul(t, c64(TILE_ROWS))))
+            _tile_loop(builder, kind, tiles, lo, hi, K, WORD_TYPES, acc, y, rows, block)
             return context.get_dummy_value()
 
         return codegen
@@ -1429,114 +1451,76 @@ if numba is not None:
             acc = [cgutils.alloca_once(builder, _V8F) for _ in range(ng)]
             c64 = lambda v: ir.Constant(_I64, v)  # noqa: E731
             ones = ir.Constant(_V16S, [1] * 16)
+            zero = ir.Constant(_V8I, [0] * 8)
 
-            def splat_f(v):
-                one = builder.insert_element(ir.Constant(_V8F, None), v, ir.Constant(_I32, 0))
-                return builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8))
+            def block(name, reads):
+                def quad(unit):
+                    return ir_load_ordered(builder, reads.unit_at(unit), _V32B)
 
-            with cgutils.for_range(builder, builder.sub(hi, lo)) as tile:
-                t = builder.add(lo, tile.index)
-                for g in range(ng):
-                    builder.store(ir.Constant(_V8F, [0.0] * 8), acc[g])
-                t_row = ir_at(builder, tiles, t)
-                end = builder.append_basic_block("quads.end")
-                switch = builder.switch(kind, end)
-                for k, name in enumerate(QUAD_TYPES):
-                    case = builder.append_basic_block(f"quads.{name}")
-                    switch.add_case(ir.Constant(_I64, k), case)
-                    builder.position_at_end(case)
-                    bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]][1]
-                    pos = tile_places(name)
-                    with cgutils.for_range(builder, builder.udiv(K, c64(256))) as blk:
-                        at = builder.add(t_row, builder.mul(blk.index, c64(bb * TILE_ROWS)))
-                        col0 = builder.mul(blk.index, c64(256))
+                def xquad(g, col):  # x's columns col..col+3 of row g in every 32-bit lane
+                    addr = builder.add(x_q[g], builder.add(reads.col0, c64(col)))
+                    one = builder.insert_element(ir.Constant(_V8I, None), ir_load(builder, addr, _I32),
+                                                 ir.Constant(_I32, 0))
+                    return builder.bitcast(builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8)), _V32B)
 
-                        def unit_at(unit, at=at, pos=pos):
-                            return builder.add(at, c64(2 * pos[unit]))
+                wide = {}  # slot -> per row of x its int32 sums (None: none yet)
+                narrow = {}  # slot -> (per row of x its 16-bit sums, how many runs they hold)
 
-                        def quad(unit):
-                            return ir_load_ordered(builder, unit_at(unit), _V32B)
+                def add32(slot, g, v):
+                    sums = wide.setdefault(slot, [None] * ng)
+                    sums[g] = v if sums[g] is None else builder.add(sums[g], v)
 
-                        def f16s(unit):
-                            return builder.fpext(ir_load_ordered(builder, unit_at(unit), ir.VectorType(ir.HalfType(), 8)),
-                                                 _V8F)
+                def flush(slot):
+                    sums, _ = narrow.pop(slot, (None, 0))
+                    for g in range(ng if sums else 0):
+                        add32(slot, g, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, sums[g], ones))
 
-                        def bytes8(byte):  # byte `byte` of the 8 rows' blocks (a one-unit piece, every other byte)
-                            v = ir_load_ordered(builder, unit_at(byte // 2), _V16B)
-                            pick = builder.shuffle_vector(v, v, ir.Constant(_V8I, [2 * r + byte % 2 for r in range(8)]))
-                            return builder.zext(pick, _V8I)
+                def dot(slot, codes, col, top):
+                    if vnni:  # the 4 products of a lane and their sum added in one instruction
+                        sums = wide.setdefault(slot, [None] * ng)
+                        for g in range(ng):
+                            sums[g] = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I,
+                                            zero if sums[g] is None else sums[g], builder.bitcast(codes, _V8I),
+                                            builder.bitcast(xquad(g, col), _V8I))
+                        return
+                    if (narrow.get(slot, (None, 0))[1] + 1) * 2 * top * 127 > 32767:  # 16-bit sums would overflow
+                        flush(slot)
+                    sums, n = narrow.get(slot, ([None] * ng, 0))
+                    for g in range(ng):
+                        p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, codes, xquad(g, col))
+                        sums[g] = p if sums[g] is None else builder.add(sums[g], p)
+                    narrow[slot] = (sums, n + 1)
 
-                        def xquad(g, col, col0=col0):  # x's columns col..col+3 of row g in every 32-bit lane
-                            one = builder.insert_element(ir.Constant(_V8I, None),
-                                                         ir_load(builder, builder.add(x_q[g], builder.add(col0, c64(col))),
-                                                                 _I32), ir.Constant(_I32, 0))
-                            return builder.bitcast(builder.shuffle_vector(one, one, ir.Constant(_V8I, [0] * 8)), _V32B)
+                def dot_scaled(slot, runs, col, sc):
+                    sums = wide.setdefault(slot, [None] * ng)
+                    for g in range(ng):
+                        p = None
+                        for i, codes in enumerate(runs):
+                            v = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, codes, xquad(g, col + 4 * i))
+                            p = v if p is None else builder.add(p, v)
+                        if vnni:
+                            sums[g] = _call(builder, "llvm.x86.avx512.vpdpwssd.256", _V8I,
+                                            zero if sums[g] is None else sums[g], builder.bitcast(p, _V8I),
+                                            builder.bitcast(sc, _V8I))
+                        else:
+                            add32(slot, g, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, p, sc))
 
-                        def per(arr, g, col, width, col0=col0):  # xs / xsum / xsum16 of row g for the columns at col
-                            at_w = builder.udiv(builder.add(col0, c64(col)), c64(width))
-                            return splat_f(ir_load(builder, builder.add(arr[g], builder.mul(at_w, c64(4))), _F32))
+                def scale(slot, coef, col):
+                    flush(slot)
+                    sums = wide.pop(slot)
+                    for g in range(ng):
+                        builder.store(builder.call(fma, [builder.sitofp(sums[g], _V8F),
+                                                         builder.fmul(coef, reads.per(x_s[g], col, 32)),
+                                                         builder.load(acc[g])]), acc[g])
 
-                        wide = {}  # slot -> per row of x its int32 sums (None: none yet)
-                        narrow = {}  # slot -> (per row of x its 16-bit sums, how many runs they hold)
+                def mins(coef, col, width):
+                    for g in range(ng):
+                        at = (x_sum if width == 32 else x_sum16)[g]
+                        builder.store(builder.call(fma, [coef, reads.per(at, col, width), builder.load(acc[g])]), acc[g])
 
-                        def add32(slot, g, v):
-                            sums = wide.setdefault(slot, [None] * ng)
-                            sums[g] = v if sums[g] is None else builder.add(sums[g], v)
+                _quad_body(name, builder, quad, reads.f16s, reads.bytes8, dot, dot_scaled, scale, mins)
 
-                        def flush(slot):
-                            sums, _ = narrow.pop(slot, (None, 0))
-                            for g in range(ng if sums else 0):
-                                add32(slot, g, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, sums[g], ones))
-
-                        def dot(slot, codes, col, top):
-                            if vnni:  # the 4 products of a lane and their sum added in one instruction
-                                for g in range(ng):
-                                    sums = wide.setdefault(slot, [None] * ng)
-                                    base = sums[g] if sums[g] is not None else ir.Constant(_V8I, [0] * 8)
-                                    sums[g] = _call(builder, "llvm.x86.avx512.vpdpbusd.256", _V8I, base,
-                                                    builder.bitcast(codes, _V8I), builder.bitcast(xquad(g, col), _V8I))
-                                return
-                            if narrow.get(slot, (None, 0))[1] * 2 * top * 127 + 2 * top * 127 > 32767:
-                                flush(slot)
-                            sums, n = narrow.get(slot, ([None] * ng, 0))
-                            for g in range(ng):
-                                p = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, codes, xquad(g, col))
-                                sums[g] = p if sums[g] is None else builder.add(sums[g], p)
-                            narrow[slot] = (sums, n + 1)
-
-                        def dot_scaled(slot, runs, col, sc):
-                            for g in range(ng):
-                                p = None
-                                for i, codes in enumerate(runs):
-                                    v = _call(builder, "llvm.x86.avx2.pmadd.ub.sw", _V16S, codes, xquad(g, col + 4 * i))
-                                    p = v if p is None else builder.add(p, v)
-                                sums = wide.setdefault(slot, [None] * ng)
-                                if vnni:
-                                    base = sums[g] if sums[g] is not None else ir.Constant(_V8I, [0] * 8)
-                                    sums[g] = _call(builder, "llvm.x86.avx512.vpdpwssd.256", _V8I, base,
-                                                    builder.bitcast(p, _V8I), builder.bitcast(sc, _V8I))
-                                else:
-                                    add32(slot, g, _call(builder, "llvm.x86.avx2.pmadd.wd", _V8I, p, sc))
-
-                        def scale(slot, coef, col):
-                            flush(slot)
-                            sums = wide.pop(slot)
-                            for g in range(ng):
-                                builder.store(builder.call(fma, [builder.sitofp(sums[g], _V8F),
-                                                                 builder.fmul(coef, per(x_s, g, col, 32)),
-                                                                 builder.load(acc[g])]), acc[g])
-
-                        def mins(coef, col, width):
-                            arr = x_sum if width == 32 else x_sum16
-                            for g in range(ng):
-                                builder.store(builder.call(fma, [coef, per(arr, g, col, width), builder.load(acc[g])]),
-                                              acc[g])
-
-                        _quad_body(name, builder, quad, f16s, bytes8, dot, dot_scaled, scale, mins)
-                    builder.branch(end)
-                builder.position_at_end(end)
-                for g in range(ng):
-                    ir_store(builder, builder.load(acc[g]), ir_at(builder, y, rows[g], builder.mul(t, c64(TILE_ROWS))))
+            _tile_loop(builder, kind, tiles, lo, hi, K, QUAD_TYPES, acc, y, rows, block)
             return context.get_dummy_value()
 
         return codegen
