@@ -21,9 +21,9 @@ Forms (chosen per tensor by `resident_form`, from its GGUF type), each with a `k
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor (its own product, no kernel).
 A form asks the table for its PRODUCT entry once, at its first product (the table chooses once per kind, device and
 machine), and keeps it: a decode step's product costs no lookup. A file's forms run ggml_tiles' or ggml_dot's byte
-products up to FILE_GEMV_ROWS rows (Q4_K and Q5_K tiles up to TILE_GEMV_ROWS); an Int4 or Int8 form up to 8 rows kvcli's int8-dot kernel where AVX512-VNNI (and
-VBMI) runs (kvcli/kernels/cpu/weights.py), then torch's int4 GEMV; a prefill batch dequantizes slabs of W (ROWS) and
-runs a GEMM, in bf16 where the CPU multiplies bf16 in hardware (batch_dtype); on CUDA the Triton kernel up to
+products up to FILE_GEMV_ROWS rows (Q4_K and Q5_K tiles up to TILE_GEMV_ROWS); an Int4 or Int8 form up to 8 rows
+kvcli's int8-dot kernel where AVX512-VNNI (and VBMI) runs (kvcli/kernels/cpu/weights.py), then torch's int4 GEMV; a
+prefill batch dequantizes slabs of W (ROWS) and runs a GEMM, in bf16 where the CPU multiplies bf16 in hardware (batch_dtype); on CUDA the Triton kernel up to
 KERNEL_ROWS rows, slabs in the compute dtype beyond (figures in benchmarks/README.md). `kernel_lines()` lists the
 choices.
 """

@@ -1261,6 +1261,7 @@ if numba is not None:
 
         def __init__(self, builder, at, col0, places):
             self.builder, self.at, self.col0, self.places = builder, at, col0, places
+            self.loaded = {}  # one-unit pieces bytes8 has read: each loaded once a block (the loads are volatile)
 
         def unit_at(self, unit):
             """The address of row 0's copy of the block's 16-bit unit `unit`."""
@@ -1274,7 +1275,9 @@ if numba is not None:
         def bytes8(self, byte):
             """The 8 rows' byte `byte` of their blocks (in a one-unit piece: every other byte), zext to 8 x i32."""
             b = self.builder
-            v = ir_load_ordered(b, self.unit_at(byte // 2), _V16B)
+            if byte // 2 not in self.loaded:
+                self.loaded[byte // 2] = ir_load_ordered(b, self.unit_at(byte // 2), _V16B)
+            v = self.loaded[byte // 2]
             return b.zext(b.shuffle_vector(v, v, ir.Constant(_V8I, [2 * r + byte % 2 for r in range(8)])), _V8I)
 
         def per(self, row, col, width):
@@ -1413,11 +1416,12 @@ if numba is not None:
             m32 = builder.fmul(d, ir.Constant(_V8F, [-32.0] * 8))
             for n in range(2):
                 for half in (0, 1):  # columns l of 16 half .. 16 half + 15 of the four 32s: scales 8n + 2k + half
-                    sc = []
-                    for k in range(4):  # the 8 rows' int8 scale, in both 16-bit lanes of their 32 (vpmaddwd's)
-                        v = builder.sext(builder.trunc(bytes8(192 + 8 * n + 2 * k + half), ir.VectorType(_I8, 8)), _V8H)
-                        sc.append(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16),
-                                                                           [r // 2 for r in range(16)])))
+                    sc, sc16 = [], []  # the 8 rows' int8 scales; each in both 16-bit lanes of its row's 32 (vpmaddwd's)
+                    for k in range(4):
+                        sc.append(builder.trunc(bytes8(192 + 8 * n + 2 * k + half), ir.VectorType(_I8, 8)))
+                        v = builder.sext(sc[k], _V8H)
+                        sc16.append(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16),
+                                                                             [r // 2 for r in range(16)])))
                     runs = {k: [] for k in range(4)}
                     for c in range(4 * half, 4 * half + 4):
                         a, b, hb = quad(32 * n + 2 * c), quad(32 * n + 16 + 2 * c), quad(64 + 16 * n + 2 * c)
@@ -1427,11 +1431,10 @@ if numba is not None:
                             high = builder.shl(builder.and_(builder.lshr(hb, b32(2 * k)), b32(3)), b32(4))
                             runs[k].append(builder.or_(low[k], high))
                             if c % 2:  # two runs of 4 columns: 16-bit sums of codes < 64 stay below 2^15
-                                dot_scaled(k, runs[k], 128 * n + 32 * k + 4 * c - 4, sc[k])
+                                dot_scaled(k, runs[k], 128 * n + 32 * k + 4 * c - 4, sc16[k])
                                 runs[k] = []
                     for k in range(4):  # the -32 offset: d (-32) sc times x's sum over the 16 columns
-                        coef = builder.fmul(m32, builder.sitofp(builder.sext(builder.trunc(
-                            bytes8(192 + 8 * n + 2 * k + half), ir.VectorType(_I8, 8)), _V8I), _V8F))
+                        coef = builder.fmul(m32, builder.sitofp(builder.sext(sc[k], _V8I), _V8F))
                         mins(coef, 128 * n + 32 * k + 16 * half, 16)
                 for k in range(4):
                     scale(k, d, 128 * n + 32 * k)
