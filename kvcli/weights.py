@@ -21,7 +21,7 @@ Forms (chosen per tensor by `resident_form`, from its GGUF type), each with a `k
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor (its own product, no kernel).
 A form asks the table for its PRODUCT entry once, at its first product (the table chooses once per kind, device and
 machine), and keeps it: a decode step's product costs no lookup. A file's forms run ggml_tiles' or ggml_dot's byte
-products up to FILE_GEMV_ROWS rows (Q4_K and Q5_K tiles up to TILE_GEMV_ROWS); an Int4 or Int8 form up to 8 rows
+products up to FILE_GEMV_ROWS rows (the K-quants' tiles: any batch, tiles_kernel_rows); an Int4 or Int8 form up to 8 rows
 kvcli's int8-dot kernel where AVX512-VNNI (and VBMI) runs (kvcli/kernels/cpu/weights.py), then torch's int4 GEMV; a
 prefill batch dequantizes slabs of W (ROWS) and runs a GEMM, in bf16 where the CPU multiplies bf16 in hardware (batch_dtype); on CUDA the Triton kernel up to
 KERNEL_ROWS rows, slabs in the compute dtype beyond (figures in benchmarks/README.md). `kernel_lines()` lists the
@@ -31,6 +31,7 @@ choices.
 from __future__ import annotations
 
 import functools
+import math
 import importlib
 import importlib.util
 import threading
@@ -48,10 +49,18 @@ from kvcli.memory import mapped_empty
 # Rows up to which a FileBlocks product runs on the blocks (a slab of rows decoded for every row of x); a larger batch
 # decodes f32 slabs for a GEMM.
 FILE_GEMV_ROWS = 16
-# Types whose tiles' kernel (8-bit x) stays ahead of slabs + GEMM for more rows: at 64 rows a Q4_K 2048 x 2048 product
-# 1.55x (AVX2 paths, f32 GEMM) and 1.86x (AVX-512 EPYC, bf16 GEMM), 8192 x 2048 1.77x and 2.09x; at 512 rows on par
-# (benchmarks/README.md section 14). Q6_K's per-16 scales keep it at FILE_GEMV_ROWS (0.95x at 64 rows natively).
-TILE_GEMV_ROWS = {"Q4_K": 64, "Q5_K": 64}
+# The K-quants' tiles (8-bit x, W read once per block of tiles for every row of x) take a batch of any size where they
+# beat slabs + GEMM: Q4_K and Q5_K everywhere (the synthetic 1B's pp512 1.15x beside bf16 GEMMs on the AVX-512 EPYC),
+# Q6_K where the GEMM is f32 (1.18x with the others on AVX2 paths); beside a bf16 GEMM Q6_K's per-16 scales lose
+# (pp512 0.85x), so it stays at FILE_GEMV_ROWS there (benchmarks/README.md section 14).
+TILE_BATCH_TYPES = ("Q4_K", "Q5_K", "Q6_K")
+
+
+def tiles_kernel_rows(ggml_type: str) -> int | float:
+    """Rows up to which a FileTiles product of this type runs on the tiles (more: slabs + GEMM)."""
+    if ggml_type in TILE_BATCH_TYPES and not (ggml_type == "Q6_K" and batch_dtype() == torch.bfloat16):
+        return math.inf
+    return FILE_GEMV_ROWS
 # Rows above which a product dequantizes to f32 and runs a GEMM: a CPU multiplies one row by
 # f16 or packed codes fast (GEMV), a prefill batch faster as an f32 GEMM, conversion included.
 UPCAST_ROWS = 32
@@ -1039,10 +1048,10 @@ def _tiles_slab(form: FileTiles, start: int, stop: int, dtype: torch.dtype = tor
 
 
 def _file_tiles_dot(form: FileTiles, x: torch.Tensor) -> torch.Tensor:
-    """PRODUCT's run for FileTiles: up to FILE_GEMV_ROWS rows (TILE_GEMV_ROWS for its type) by ggml_tiles' kernel, a
-    batch by slabs + GEMM (batch_dtype)."""
+    """PRODUCT's run for FileTiles: up to tiles_kernel_rows(its type) rows by ggml_tiles' kernel, a larger batch by
+    slabs + GEMM (batch_dtype)."""
     rows = _rows(x)
-    if rows > TILE_GEMV_ROWS.get(form.type, FILE_GEMV_ROWS):
+    if rows > tiles_kernel_rows(form.type):
         return _file_slab_products(form, x, functools.partial(_tiles_slab, form), form.per_tile, batch_dtype())
     y = _cpu_kernel("ggml_tiles").matmul(form.type, form.tiles, x.reshape(rows, form.k).contiguous().numpy())
     return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])
@@ -1191,8 +1200,8 @@ for _entry in (
           covers=lambda ggml_type=None, **_: ggml_type in _dot_types(), ready=table.cpu_compiler, tol=DOT_TOL,
           why="decode's rows on the codes, 32 a product in byte lanes (the slab kernel widens each to f32)"),
     Entry(PRODUCT, "cpu", frozenset({"ggml_tiles"}), "kvcli/kernels/cpu/ggml_tiles.py (AVX2 byte products, 8 rows "
-          "a vector, 15-bit activations, the K-quants' 8-bit) to FILE_GEMV_ROWS rows, then slabs + GEMM (bf16 where "
-          "BF16 runs)", _file_tiles_dot, isa=AVX2,
+          "a vector, 15-bit activations, the K-quants' 8-bit) to FILE_GEMV_ROWS rows (the K-quants: "
+          "tiles_kernel_rows), then slabs + GEMM (bf16 where BF16 runs)", _file_tiles_dot, isa=AVX2,
           ready=table.cpu_compiler, tol=DOT_TOL,
           why="decode's rows on the codes with 8 rows' sums in one vector: scales, conversions and sums once for 8"),
     Entry(PRODUCT, "cpu", frozenset({"ggml"}), "kvcli/kernels/cpu/ggml_rows.py (numba, LLVM vectors) to "

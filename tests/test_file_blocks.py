@@ -18,7 +18,7 @@ from kvcli.sampler import Sampler
 from kvcli.shapes import weight_bytes
 from kvcli.errors import KvcliError
 from kvcli.model import FUSED
-from kvcli.weights import DOT_TOL, _joined, F16_FIELDS, FILE_GEMV_ROWS, batch_dtype, FILE_BLOCKS, FileBlocks, FileTiles, _check_file_scales, load, resident_form
+from kvcli.weights import DOT_TOL, _joined, F16_FIELDS, FILE_GEMV_ROWS, batch_dtype, FILE_BLOCKS, FileBlocks, FileTiles, _check_file_scales, load, resident_form, tiles_kernel_rows
 from tests.test_weights import assert_products_near_f64, runnable
 from tests.tiny import make_hf_model, write_gguf
 
@@ -118,7 +118,8 @@ def product_bound(entry, x: torch.Tensor, w: torch.Tensor, ggml_type: str) -> to
     K-quants (ggml_tiles.QUAD_TYPES) its largest |x| / 254 (half a step of 127)."""
     xa = x.double().abs()
     rows = x.reshape(-1, x.shape[-1]).shape[0]
-    bf16 = entry is not table.reference(PRODUCT) and rows > FILE_GEMV_ROWS and batch_dtype() == torch.bfloat16
+    on_codes = tiles_kernel_rows(ggml_type) if "ggml_tiles" in entry.keys else FILE_GEMV_ROWS  # more: slabs + GEMM
+    bf16 = entry is not table.reference(PRODUCT) and rows > on_codes and batch_dtype() == torch.bfloat16
     bound = (2.0**-7 if bf16 else 2.0**-18) * (xa @ w.abs().T) + 1e-30
     if entry.tol == DOT_TOL:
         bmax = xa.unflatten(-1, (-1, 32)).amax(-1, keepdim=True).expand(*xa.shape[:-1], -1, 32).flatten(-2)
@@ -136,8 +137,9 @@ def decode_kernels() -> list:
 @pytest.mark.parametrize("kernel", decode_kernels())
 @pytest.mark.parametrize("ggml_type", ["Q4_1", "Q5_0", "Q4_K", "Q6_K", "IQ4_XS"])
 def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type, kernel):
-    """Decode's rows: a row's product alone equals the same row beside 3 others and at -t 1 and -t 2, bit for bit
-    (the server's slots, and a sequence's answer at any thread count)."""
+    """A row's product alone equals the same row beside 3 others and in a batch of 41 (the tiles' blocked batch, its
+    last row in a group of one) and at -t 1 and -t 2, bit for bit (the server's slots, and a sequence's answer at any
+    thread count)."""
     module = importlib.import_module(f"kvcli.kernels.cpu.{kernel}")
     if ggml_type not in getattr(module, {"ggml_dot": "DOT_TYPES", "ggml_tiles": "TILE_TYPES"}.get(kernel, "KINDS")):
         pytest.skip(f"{kernel} does not take {ggml_type}")
@@ -146,17 +148,21 @@ def test_a_rows_bits_do_not_depend_on_its_batch_or_threads(ggml_type, kernel):
     raw = adversarial(ggml_type, 208, K, seed=2)
     if kernel == "ggml_tiles":
         raw = module.retile(ggml_type, raw)
-    x = np.random.default_rng(3).standard_normal((4, K)).astype(np.float32)
+    x = np.random.default_rng(3).standard_normal((41, K)).astype(np.float32)
     before = torch.get_num_threads()
     try:
-        outs = []
+        firsts, lasts = [], []
         for threads in (1, 2):
             torch.set_num_threads(threads)
-            outs += [module.matmul(ggml_type, raw, x[:1].copy())[0], module.matmul(ggml_type, raw, x)[0]]
+            batch = module.matmul(ggml_type, raw, x)
+            firsts += [module.matmul(ggml_type, raw, x[:1].copy())[0], module.matmul(ggml_type, raw, x[:4].copy())[0],
+                       batch[0]]
+            lasts += [module.matmul(ggml_type, raw, x[40:].copy())[0], batch[40]]
     finally:
         torch.set_num_threads(before)
-    for o in outs[1:]:
-        np.testing.assert_array_equal(o, outs[0])
+    for outs in (firsts, lasts):
+        for o in outs[1:]:
+            np.testing.assert_array_equal(o, outs[0])
 
 
 _AVX2_PRODUCTS = """

@@ -207,22 +207,29 @@ def quantized8(x):
     return xq, xs, xsum, xsum16
 
 
+TILE_BLOCK_BYTES = 64 << 10  # tiles a batch's rows of x take in turn: the block stays in the core's L2 meanwhile
+
+
 @jit
 def _span8(kind, tiles, xq, xs, xsum, xsum16, y, lo, hi):
-    """_span for QUAD_TYPES[kind] and 8-bit x (ggml_quad_dots)."""
+    """_span for QUAD_TYPES[kind] and 8-bit x. A batch (more than 4 rows) takes tiles lo..hi-1 by blocks of
+    TILE_BLOCK_BYTES, each by every group of x's rows before the next: W is read once from memory, not once a group."""
     M = xq.shape[0]
-    g0 = 0
-    while g0 < M:
-        g = M - g0
-        if g >= 4:
-            ggml_quad_dots4(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)
-        elif g == 3:
-            ggml_quad_dots3(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)
-        elif g == 2:
-            ggml_quad_dots2(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)
-        else:
-            ggml_quad_dots1(kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)
-        g0 += min(g, 4)
+    block = max(1, TILE_BLOCK_BYTES // tiles.shape[1]) if M > 4 else max(1, hi - lo)
+    for t0 in range(lo, hi, block):
+        t1 = min(hi, t0 + block)
+        g0 = 0
+        while g0 < M:
+            g = M - g0
+            if g >= 4:
+                ggml_quad_dots4(kind, tiles, t0, t1, xq, xs, xsum, xsum16, g0, y)
+            elif g == 3:
+                ggml_quad_dots3(kind, tiles, t0, t1, xq, xs, xsum, xsum16, g0, y)
+            elif g == 2:
+                ggml_quad_dots2(kind, tiles, t0, t1, xq, xs, xsum, xsum16, g0, y)
+            else:
+                ggml_quad_dots1(kind, tiles, t0, t1, xq, xs, xsum, xsum16, g0, y)
+            g0 += min(g, 4)
 
 
 WORDS = len(WORD_TYPES)  # kinds from here on (TILE_TYPES' K-quants) take 8-bit x
@@ -242,13 +249,22 @@ def _one(kind, tiles, x, y):
 
 @jit_threaded
 def _threaded(kind, tiles, x, y, threads):
-    T = tiles.shape[0]
+    """_one with x's rows quantized in `threads` runs, then W's tiles in `threads` runs (each row of x and each column
+    of y made as _one makes it: the same bits at any thread count)."""
+    T, (M, K) = tiles.shape[0], x.shape
+    xs, xsum = np.empty((M, K // 32), np.float32), np.empty((M, K // 32), np.float32)  # x's per 32 columns
     if kind >= WORDS:
-        xq, xs, xsum, xsum16 = quantized8(x)
+        xq, xsum16 = np.empty((M, K), np.int8), np.empty((M, K // 16), np.float32)
+        for t in numba.prange(threads):
+            a, b = M * t // threads, M * (t + 1) // threads
+            ggml_dot.quantize_x(x[a:b], xq[a:b], xs[a:b], xsum[a:b], xsum16[a:b], X8_RANGE)
         for t in numba.prange(threads):
             _span8(kind - WORDS, tiles, xq, xs, xsum, xsum16, y, T * t // threads, T * (t + 1) // threads)
     else:
-        xi, xs, xsum = ggml_dot.quantized(x)
+        xi, no16 = np.empty((M, K), np.int16), np.empty((M, 0), np.float32)  # no sums per 16 (16-bit x)
+        for t in numba.prange(threads):
+            a, b = M * t // threads, M * (t + 1) // threads
+            ggml_dot.quantize_x(x[a:b], xi[a:b], xs[a:b], xsum[a:b], no16[a:b], ggml_dot.X_RANGE)
         for t in numba.prange(threads):
             _span(kind, tiles, xi, xs, xsum, y, T * t // threads, T * (t + 1) // threads)
 

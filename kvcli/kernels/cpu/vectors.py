@@ -1395,14 +1395,14 @@ if numba is not None:
             first = 8 + 16 * (name == "Q5_K")  # qs' first unit (Q5_K: qh's 16 units before)
             top = 15 if name == "Q4_K" else 31
             for j in range(4):
-                for c in range(8):  # columns 4c..4c+3 of sub-blocks 2j (low nibbles) and 2j + 1 (high)
-                    codes = quad(first + 16 * j + 2 * c)
-                    qh = quad(8 + 2 * c) if name == "Q5_K" else None  # qh[l] bit 2j + h: element l of sub-block 2j + h
-                    for h, v in enumerate((builder.and_(codes, b32(15)), builder.lshr(codes, b32(4)))):
-                        if qh is not None:
+                for h in (0, 1):  # sub-block 2j (low nibbles), then 2j + 1 (high): one slot's sums live at a time
+                    for c in range(8):  # columns 4c..4c+3 of the sub-block
+                        codes = quad(first + 16 * j + 2 * c)
+                        v = builder.and_(codes, b32(15)) if h == 0 else builder.lshr(codes, b32(4))
+                        if name == "Q5_K":  # qh[l] bit 2j + h: element l of sub-block 2j + h
+                            qh = quad(8 + 2 * c)
                             v = builder.or_(v, builder.shl(builder.and_(builder.lshr(qh, b32(2 * j + h)), b32(1)), b32(4)))
                         dot(h, v, 64 * j + 32 * h + 4 * c, top)
-                for h in (0, 1):
                     sb = 2 * j + h
                     if sb < 4:
                         sc, m = builder.and_(q(sb), i8(63)), builder.and_(q(sb + 4), i8(63))
@@ -1415,28 +1415,23 @@ if numba is not None:
             d = f16s(104)
             m32 = builder.fmul(d, ir.Constant(_V8F, [-32.0] * 8))
             for n in range(2):
-                for half in (0, 1):  # columns l of 16 half .. 16 half + 15 of the four 32s: scales 8n + 2k + half
-                    sc, sc16 = [], []  # the 8 rows' int8 scales; each in both 16-bit lanes of its row's 32 (vpmaddwd's)
-                    for k in range(4):
-                        sc.append(builder.trunc(bytes8(192 + 8 * n + 2 * k + half), ir.VectorType(_I8, 8)))
-                        v = builder.sext(sc[k], _V8H)
-                        sc16.append(builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16),
-                                                                             [r // 2 for r in range(16)])))
-                    runs = {k: [] for k in range(4)}
-                    for c in range(4 * half, 4 * half + 4):
-                        a, b, hb = quad(32 * n + 2 * c), quad(32 * n + 16 + 2 * c), quad(64 + 16 * n + 2 * c)
-                        low = [builder.and_(a, b32(15)), builder.and_(b, b32(15)), builder.lshr(a, b32(4)),
-                               builder.lshr(b, b32(4))]
-                        for k in range(4):
-                            high = builder.shl(builder.and_(builder.lshr(hb, b32(2 * k)), b32(3)), b32(4))
-                            runs[k].append(builder.or_(low[k], high))
+                for k in range(4):  # the 32 columns 128n + 32k (scales 8n + 2k + half): one slot's sums live at a time
+                    for half in (0, 1):  # columns l of 16 half .. 16 half + 15: each row's int8 scale
+                        sc = builder.trunc(bytes8(192 + 8 * n + 2 * k + half), ir.VectorType(_I8, 8))
+                        v = builder.sext(sc, _V8H)  # in both 16-bit lanes of its row's 32 (vpmaddwd's)
+                        sc16 = builder.shuffle_vector(v, v, ir.Constant(ir.VectorType(_I32, 16),
+                                                                         [r // 2 for r in range(16)]))
+                        runs = []
+                        for c in range(4 * half, 4 * half + 4):  # ql's low nibbles (k < 2) or high, qh's bits 2k, 2k+1
+                            ql, qh = quad(32 * n + 16 * (k % 2) + 2 * c), quad(64 + 16 * n + 2 * c)
+                            low = builder.and_(ql, b32(15)) if k < 2 else builder.lshr(ql, b32(4))
+                            high = builder.shl(builder.and_(builder.lshr(qh, b32(2 * k)), b32(3)), b32(4))
+                            runs.append(builder.or_(low, high))
                             if c % 2:  # two runs of 4 columns: 16-bit sums of codes < 64 stay below 2^15
-                                dot_scaled(k, runs[k], 128 * n + 32 * k + 4 * c - 4, sc16[k])
-                                runs[k] = []
-                    for k in range(4):  # the -32 offset: d (-32) sc times x's sum over the 16 columns
-                        coef = builder.fmul(m32, builder.sitofp(builder.sext(sc[k], _V8I), _V8F))
-                        mins(coef, 128 * n + 32 * k + 16 * half, 16)
-                for k in range(4):
+                                dot_scaled(k, runs, 128 * n + 32 * k + 4 * c - 4, sc16)
+                                runs = []
+                        coef = builder.fmul(m32, builder.sitofp(builder.sext(sc, _V8I), _V8F))  # -32's: d (-32) sc
+                        mins(coef, 128 * n + 32 * k + 16 * half, 16)  # times x's sum over the 16 columns
                     scale(k, d, 128 * n + 32 * k)
         else:
             raise ValueError(name)
