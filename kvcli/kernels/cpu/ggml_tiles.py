@@ -15,7 +15,8 @@ times sx and one with the mins times xsum. Two ways with x:
       in vpmaddubsw (or VNNI's vpdpbusd): half the instructions a code of the 16-bit way (vectors.ggml_quad_dots).
       Qwen2.5-Coder's decode KLD against --weights f32 0.00014; the synthetic 1B's decode 1.28-1.3x as fast, now at
       the memory's rate (benchmarks/README.md section 14).
-A row's bits do not depend on the rows beside it nor on the thread count. Rows a multiple of 8.
+A row's bits do not depend on the rows beside it nor on the thread count. Rows a multiple of 8. The K-quants' prompt
+batches run here too (weights.tiles_kernel_rows), W's tiles taken by blocks, each by every row of x (_span8).
 """
 
 from __future__ import annotations
