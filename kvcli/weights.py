@@ -21,19 +21,19 @@ Forms (chosen per tensor by `resident_form`, from its GGUF type), each with a `k
   Dense everything else, and every matrix under --weights f16 / f32: a plain tensor (its own product, no kernel).
 A form asks the table for its PRODUCT entry once, at its first product (the table chooses once per kind, device and
 machine), and keeps it: a decode step's product costs no lookup. A file's forms run ggml_tiles' or ggml_dot's byte
-products up to FILE_GEMV_ROWS rows (the K-quants' tiles: any batch, tiles_kernel_rows); an Int4 or Int8 form up to 8 rows
-kvcli's int8-dot kernel where AVX512-VNNI (and VBMI) runs (kvcli/kernels/cpu/weights.py), then torch's int4 GEMV; a
-prefill batch dequantizes slabs of W (ROWS) and runs a GEMM, in bf16 where the CPU multiplies bf16 in hardware (batch_dtype); on CUDA the Triton kernel up to
-KERNEL_ROWS rows, slabs in the compute dtype beyond (figures in benchmarks/README.md). `kernel_lines()` lists the
-choices.
+products up to FILE_GEMV_ROWS rows (the K-quants' tiles: any batch, tiles_kernel_rows); an Int4 or Int8 form up to 8
+rows kvcli's int8-dot kernel where AVX512-VNNI (and VBMI) runs (kvcli/kernels/cpu/weights.py), then torch's int4 GEMV;
+a prefill batch dequantizes slabs of W (ROWS) and runs a GEMM, in bf16 where the CPU multiplies bf16 in hardware
+(batch_dtype); on CUDA the Triton kernel up to KERNEL_ROWS rows, slabs in the compute dtype beyond (figures in
+benchmarks/README.md). `kernel_lines()` lists the choices.
 """
 
 from __future__ import annotations
 
 import functools
-import math
 import importlib
 import importlib.util
+import math
 import threading
 
 import numpy as np
@@ -1051,7 +1051,7 @@ def _file_tiles_dot(form: FileTiles, x: torch.Tensor) -> torch.Tensor:
     """PRODUCT's run for FileTiles: up to tiles_kernel_rows(its type) rows by ggml_tiles' kernel, a larger batch by
     slabs + GEMM (batch_dtype)."""
     rows = _rows(x)
-    if rows > tiles_kernel_rows(form.type):
+    if rows > FILE_GEMV_ROWS and rows > tiles_kernel_rows(form.type):  # decode's rows never ask the table
         return _file_slab_products(form, x, functools.partial(_tiles_slab, form), form.per_tile, batch_dtype())
     y = _cpu_kernel("ggml_tiles").matmul(form.type, form.tiles, x.reshape(rows, form.k).contiguous().numpy())
     return torch.from_numpy(y).view(*x.shape[:-1], y.shape[1])

@@ -1062,6 +1062,18 @@ if numba is not None:
         else:
             raise ValueError(name)
 
+    def _kind_switch(builder, kind, names, label, case):
+        """A switch over kind: case(name) emitted in a block for each of names (kind k is names[k]), then on."""
+        end = builder.append_basic_block(f"{label}.end")
+        switch = builder.switch(kind, end)
+        for k, name in enumerate(names):
+            block = builder.append_basic_block(f"{label}.{name}")
+            switch.add_case(ir.Constant(_I64, k), block)
+            builder.position_at_end(block)
+            case(name)
+            builder.branch(end)
+        builder.position_at_end(end)
+
     def _dots_args(context, builder, sig, args, ng: int):
         """The dots intrinsics' arguments (_dots_intrinsic) unpacked for ng rows of x: kind, W's array, lo, hi, K,
         x's rows, their xi / xs / xsum addresses, y, llvm.fma.v8f32 and ng slots of 8 f32 sums."""
@@ -1085,12 +1097,8 @@ if numba is not None:
                     builder.store(ir.Constant(_V8F, [0.0] * 8), acc[g])
                     builder.store(ir.Constant(_F32, 0.0), acc_s[g])
                 w_row = ir_at(builder, raw, n)
-                end = builder.append_basic_block("dots.end")
-                switch = builder.switch(kind, end)
-                for t, name in enumerate(DOT_TYPES):
-                    case = builder.append_basic_block(f"dots.{name}")
-                    switch.add_case(ir.Constant(_I64, t), case)
-                    builder.position_at_end(case)
+
+                def blocks(name):
                     qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]  # elements, bytes a block
                     with cgutils.for_range(builder, builder.udiv(K, ir.Constant(_I64, qk))) as blk:
                         b = blk.index
@@ -1129,8 +1137,8 @@ if numba is not None:
                                 builder.store(builder.fadd(builder.load(acc_s[g]), builder.fmul(coef, v)), acc_s[g])
 
                         _type_body(name, builder, builder.add(w_row, builder.mul(b, ir.Constant(_I64, bb))), emit, mins)
-                    builder.branch(end)
-                builder.position_at_end(end)
+
+                _kind_switch(builder, kind, DOT_TYPES, "dots", blocks)
                 for g in range(ng):
                     v = builder.load(acc[g])
                     for w in (4, 2, 1):  # halves added: 8 -> 4 -> 2 -> 1 lanes
@@ -1297,19 +1305,15 @@ if numba is not None:
             for a in acc:
                 builder.store(ir.Constant(_V8F, [0.0] * 8), a)
             t_row = ir_at(builder, tiles, t)
-            end = builder.append_basic_block("tiles.end")
-            switch = builder.switch(kind, end)
-            for k, name in enumerate(names):
-                case = builder.append_basic_block(f"tiles.{name}")
-                switch.add_case(ir.Constant(_I64, k), case)
-                builder.position_at_end(case)
+
+            def blocks(name):
                 qk, bb = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[name]]
                 places = tile_places(name)
                 with cgutils.for_range(builder, builder.udiv(K, c64(qk))) as blk:
                     at = builder.add(t_row, builder.mul(blk.index, c64(bb * TILE_ROWS)))
                     block(name, _TileReads(builder, at, builder.mul(blk.index, c64(qk)), places))
-                builder.branch(end)
-            builder.position_at_end(end)
+
+            _kind_switch(builder, kind, names, "tiles", blocks)
             for g, a in enumerate(acc):
                 ir_store(builder, builder.load(a), ir_at(builder, y, rows[g], builder.mul(t, c64(TILE_ROWS))))
 
