@@ -29,7 +29,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kvcli.tokenizer import bytes_to_unicode
+from kvcli.bpe import bytes_to_unicode
 
 MIB = 1 << 20
 PROMPT = "The history of the city begins in the early middle ages, when"

@@ -87,5 +87,9 @@ class PackedStrings(Sequence):
     def __repr__(self) -> str:
         return f"PackedStrings({len(self)} strings, {len(self._buf)} bytes)"
 
+    def utf8(self) -> tuple[np.ndarray, np.ndarray]:
+        """(buf (bytes,) u8, at (n + 1,) i64): the elements' bytes back to back and their offsets, as kept."""
+        return np.frombuffer(self._buf, np.uint8), self._at
+
     def nbytes(self) -> int:
         return len(self._buf) + self._at.nbytes

@@ -5,8 +5,8 @@ Two vocabulary kinds are supported (``tokenizer.ggml.model``):
 * ``llama`` (SentencePiece): the pieces are packed into a SentencePiece BPE ``ModelProto`` and run by
   ``sentencepiece``. llama.cpp does no normalisation of its own beyond ``' '`` -> ``'▁'`` and a space
   prefix, so we do exactly that here and give SentencePiece an identity normaliser.
-* ``gpt2`` (byte-level BPE): a ``tokenizers`` BPE model whose pre-tokenizer replays, in order, the
-  regexes llama.cpp applies for the file's ``tokenizer.ggml.pre`` name (kvcli/pretokenizers.py).
+* ``gpt2`` (byte-level BPE): kvcli/bpe.py, words cut by the regexes llama.cpp applies for the file's
+  ``tokenizer.ggml.pre`` name (kvcli/pretokenizers.py), then merged on the packed vocabulary.
 
 Special tokens follow llama.cpp: user-defined tokens (type 4) are always matched whole in the text,
 control tokens (type 3) only with ``parse_special=True``. Decoding goes through ``token_to_bytes`` so
@@ -19,10 +19,10 @@ import codecs
 import json
 import re
 import struct
-import threading
 from datetime import datetime
 from typing import Any, Mapping, Sequence
 
+from kvcli.bpe import ByteLevelBPE, bytes_to_unicode
 from kvcli.errors import KvcliError
 from kvcli.packed_strings import PackedStrings
 from kvcli.pretokenizers import for_onig, pre_tokenizer
@@ -39,20 +39,6 @@ _EOG_TEXTS = {
 }
 _FIM_EOG_TEXTS = {"<|fim_pad|>", "<fim-pad>", "<fim_pad>", "<PAD>", "[PAD]", "<|fim_repo|>", "<|repo_name|>",
                   "<fim-repo>", "<REPO>", "<reponame>", "<|file_sep|>"}
-
-
-def bytes_to_unicode() -> dict[int, str]:
-    """GPT-2's reversible byte -> printable character table used by byte-level BPE vocabularies, in GPT-2's
-    order (the printable bytes first): a byte-level vocabulary's first 256 tokens, as tests and benchmarks build them."""
-    bs = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
-    cs = bs[:]
-    n = 0
-    for b in range(256):
-        if b not in bs:
-            bs.append(b)
-            cs.append(256 + n)
-            n += 1
-    return dict(zip(bs, map(chr, cs)))
 
 
 _UNICODE_TO_BYTE = {c: b for b, c in bytes_to_unicode().items()}
@@ -110,9 +96,6 @@ class Tokenizer:
         n = self.vocab_size = len(self.tokens)
         self.types: list[int] = list(meta.get("tokenizer.ggml.token_type") or [NORMAL] * n)
         self.chat_template: str | None = meta.get("tokenizer.chat_template")
-        # each text's id (duplicates: the last id wins, as in llama.cpp): the BPE's vocabulary and the end-of-generation
-        # lookups; built once, not kept (the vocabulary's strings stay packed)
-        ids_by_text = {t: i for i, t in enumerate(self.tokens)}
         spm = self.model == "llama"
         # llama.cpp's defaults when the ids are absent: 1/2 for SentencePiece, none for BPE files.
         self.bos_id = _token_id(meta, "bos_token_id", 1 if spm else None, n)
@@ -135,42 +118,20 @@ class Tokenizer:
                 self._sp = sentencepiece.SentencePieceProcessor(model_proto=_spm_model_proto(self.tokens, scores, types))
             except (RuntimeError, TypeError, ValueError) as e:
                 raise KvcliError(f"bad SentencePiece vocabulary in GGUF metadata: {str(e)[:100]}") from None
-            # parse_special -> (regex splitting out the tokens matched whole, their text -> id)
-            self._split = {ps: self._splitter(self._always + (self._special if ps else [])) for ps in (False, True)}
             default_bos = True
         else:
             pre = pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default")
             default_bos = pre.add_bos
-            # the tokenizers library's BPE, one for both parse_special choices (its encode_special_tokens set per
-            # call, under a lock): one holds ~46 MB for a 150k vocabulary (Qwen2.5), a second was built where a
-            # process asked for both
-            try:
-                self._hf = self._build_bpe(meta, ids_by_text, [for_onig(r) for r in pre.regexes], pre.ignore_merges)
-            except Exception as e:  # the tokenizers library raises plain Exception on a bad vocab or merge
-                raise KvcliError(f"bad BPE vocabulary or merges in GGUF metadata: {str(e)[:100]}") from None
-            self._hf_lock = threading.Lock()
+            merges = meta.get("tokenizer.ggml.merges") or []
+            self._bpe = ByteLevelBPE(self.tokens if isinstance(self.tokens, PackedStrings) else PackedStrings.of(
+                self.tokens), merges if isinstance(merges, PackedStrings) else PackedStrings.of(merges),
+                [for_onig(r) for r in pre.regexes], pre.ignore_merges)
+        # parse_special -> (regex splitting out the tokens matched whole, their text -> id)
+        self._split = {ps: self._splitter(self._always + (self._special if ps else [])) for ps in (False, True)}
         self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
-        self.eog_ids: frozenset[int] = self._eog_ids(meta, ids_by_text)
-
-    def _build_bpe(self, meta, vocab: dict[str, int], regexes, ignore_merges):
-        from tokenizers import AddedToken, Regex, decoders, models, pre_tokenizers
-        from tokenizers import Tokenizer as HFTokenizer
-
-        merges = [tuple(m.split(" ", 1)) for m in meta.get("tokenizer.ggml.merges") or []]
-        tok = HFTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-        tok.pre_tokenizer = pre_tokenizers.Sequence(
-            [pre_tokenizers.Split(Regex(r), behavior="isolated") for r in regexes]
-            + [pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
-        tok.decoder = decoders.ByteLevel()
-        tok.add_special_tokens([AddedToken(self.tokens[i], normalized=False, special=True) for i in self._special])
-        tok.add_tokens([AddedToken(self.tokens[i], normalized=False, special=False) for i in self._always])
-        return tok
-
-    def _bpe_encode(self, text: str, parse_special: bool) -> list[int]:
-        """The BPE's ids for text; parse_special false: control tokens are ordinary text, as llama.cpp's."""
-        with self._hf_lock:  # the flag is the one tokenizer's: set and used by one thread at a time
-            self._hf.encode_special_tokens = not parse_special
-            return self._hf.encode(text, add_special_tokens=False).ids
+        # the ids of the texts that end a generation (a text twice: its last id, as llama.cpp's text -> id map)
+        self.eog_ids: frozenset[int] = self._eog_ids(meta, {t: i for i, t in enumerate(self.tokens) if t in _EOG_TEXTS
+                                                            or t in _FIM_EOG_TEXTS})
 
     def _splitter(self, ids: list[int]) -> tuple[re.Pattern | None, dict[str, int]]:
         by_text = {self.tokens[i]: i for i in ids}
@@ -182,7 +143,7 @@ class Tokenizer:
         for key in ("fim_pad_token_id", "fim_rep_token_id", "fim_sep_token_id", "eot_token_id", "eom_token_id"):
             if (i := _token_id(meta, key, None, n)) is not None:
                 ids.add(i)
-        ids.update(i for t, i in by_text.items() if t in _EOG_TEXTS or t in _FIM_EOG_TEXTS)
+        ids.update(by_text.values())
         if self.eos_id is not None:
             ids.add(self.eos_id)
         # gpt-oss style vocabularies: "<|end|>" ends a message, not the generation, when <|return|>/<|call|> exist
@@ -195,15 +156,16 @@ class Tokenizer:
     def encode(self, text: str, add_bos: bool | None = None, parse_special: bool = False) -> list[int]:
         """Token ids for `text`; BOS first when `add_bos` (default: the file's add_bos_token)."""
         ids = [self.bos_id] if (self.add_bos if add_bos is None else add_bos) and self.bos_id is not None else []
-        if self.model == "gpt2":
-            return ids + self._bpe_encode(text, parse_special)
-        # SentencePiece, as llama.cpp's llm_tokenizer_spm: split out special tokens, then give every text
-        # fragment that starts the prompt or follows a special token a leading space, and escape spaces.
+        # Special tokens split out first (llama.cpp's tokenizer_st_partition), then each fragment between them: BPE,
+        # or SentencePiece as llama.cpp's llm_tokenizer_spm, which gives every fragment that starts the prompt or
+        # follows a special token a leading space, and escapes spaces.
         (split, by_text), prev_special = self._split[parse_special], True
         for k, part in enumerate(split.split(text) if split else [text]):
             if k % 2:  # odd parts are the separators the capturing group kept: special tokens
                 ids.append(by_text[part])
                 prev_special = True
+            elif part and self.model == "gpt2":
+                ids += self._bpe.encode(part)
             elif part:
                 part = (" " if self.add_space_prefix and prev_special else "") + part
                 ids += self._sp.encode(part.replace(" ", "\u2581"))

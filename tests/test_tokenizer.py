@@ -8,7 +8,8 @@ import unicodedata
 import pytest
 
 from kvcli.errors import KvcliError
-from kvcli.tokenizer import Tokenizer
+from kvcli.bpe import bytes_to_unicode
+from kvcli.tokenizer import NORMAL, Tokenizer
 
 
 TRICKY = {
@@ -300,9 +301,56 @@ def test_split_regex_matches_transformers(meta, pre):
     except ImportError:
         pytest.skip("transformers' GGUF pre-tokenizer table not available")
     ref = pre_tokenizers.Split(Regex(GGUF_PRE_TOKENIZER_SPLITS[pre]), behavior="isolated")
-    ours = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": pre})._hf.pre_tokenizer
-    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    ours = Tokenizer.from_metadata({**meta, "tokenizer.ggml.pre": pre})._bpe
     for text in TRICKY.values():
-        expected = [w for w, _ in ref.pre_tokenize_str(text)]
-        got = [w for w, _ in ours.pre_tokenize_str(text)]
-        assert got == ["".join(w for w, _ in byte_level.pre_tokenize_str(e)) for e in expected]
+        assert ours.words(text) == [w for w, _ in ref.pre_tokenize_str(text)]
+
+
+# --- the byte-level BPE (kvcli/bpe.py) against the tokenizers library's BPE model ----------------------------------
+
+def _library_bpe(meta, ignore_merges: bool):
+    """The tokenizers library's BPE model on the same vocabulary and merges: the reference for kvcli/bpe.py's merges."""
+    from tokenizers import Tokenizer as LibraryTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
+    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
+    lib = LibraryTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
+    lib.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    return lib
+
+
+@pytest.mark.parametrize("ignore_merges", [False, True])
+def test_bpe_merges_as_the_tokenizers_library(meta, wiki_head, ignore_merges):
+    from kvcli.bpe import ByteLevelBPE
+    from kvcli.packed_strings import PackedStrings
+
+    ours = ByteLevelBPE(PackedStrings.of(meta["tokenizer.ggml.tokens"]), PackedStrings.of(meta["tokenizer.ggml.merges"]),
+                        [r"\s+|\S+"], ignore_merges)
+    lib = _library_bpe(meta, ignore_merges)
+    # whole words (no regexes): long ones too, where a word's merges run in the hundreds
+    texts = [wiki_head[:3000], " " * 5000, "1234567890" * 300, "ab" * 2000, "é∑😀 " * 200, *TRICKY.values()]
+    for text in texts:
+        for word in ours.words(text):
+            assert ours.encode(word) == lib.encode(word, add_special_tokens=False).ids, word[:40]
+
+
+def _tiny_meta(merges: list[str], extra: list[str]) -> dict:
+    tokens = list(bytes_to_unicode().values()) + extra
+    return {"tokenizer.ggml.model": "gpt2", "tokenizer.ggml.pre": "gpt-2", "tokenizer.ggml.tokens": tokens,
+            "tokenizer.ggml.token_type": [NORMAL] * len(tokens), "tokenizer.ggml.merges": merges}
+
+
+def test_bpe_pair_listed_twice_keeps_first_rank():
+    # llama.cpp's bpe_ranks.emplace keeps a pair's first rank: "a b" (rank 0) merges before "b c" (rank 1)
+    tok = Tokenizer.from_metadata(_tiny_meta(["a b", "b c", "a b"], ["ab", "bc"]))
+    assert tok.encode("abc") == [256, ord("c") - 33]
+    tok = Tokenizer.from_metadata(_tiny_meta(["b c", "a b"], ["ab", "bc"]))
+    assert tok.encode("abc") == [ord("a") - 33, 257]
+
+
+@pytest.mark.parametrize("merge, says", [("ab", "no space"), ("xx b", "first token"), ("a yy", "second token"),
+                                         ("a c", "makes a token")])
+def test_bpe_bad_merge_is_one_line(merge, says):
+    with pytest.raises(KvcliError, match=f"merge 1 .*{says}"):
+        Tokenizer.from_metadata(_tiny_meta(["a b", merge], ["ab"]))

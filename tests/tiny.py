@@ -8,7 +8,7 @@ import gguf
 import numpy as np
 import torch
 
-from kvcli.tokenizer import bytes_to_unicode
+from kvcli.bpe import bytes_to_unicode
 
 
 def llama_permute(w: np.ndarray, n_head: int) -> np.ndarray:
