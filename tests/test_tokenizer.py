@@ -306,34 +306,8 @@ def test_split_regex_matches_transformers(meta, pre):
         assert ours.words(text) == [w for w, _ in ref.pre_tokenize_str(text)]
 
 
-# --- the byte-level BPE (kvcli/bpe.py) against the tokenizers library's BPE model ----------------------------------
-
-def _library_bpe(meta, ignore_merges: bool):
-    """The tokenizers library's BPE model on the same vocabulary and merges: the reference for kvcli/bpe.py's merges."""
-    from tokenizers import Tokenizer as LibraryTokenizer
-    from tokenizers import models, pre_tokenizers
-
-    vocab = {t: i for i, t in enumerate(meta["tokenizer.ggml.tokens"])}
-    merges = [tuple(m.split(" ", 1)) for m in meta["tokenizer.ggml.merges"]]
-    lib = LibraryTokenizer(models.BPE(vocab=vocab, merges=merges, ignore_merges=ignore_merges))
-    lib.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
-    return lib
-
-
-@pytest.mark.parametrize("ignore_merges", [False, True])
-def test_bpe_merges_as_the_tokenizers_library(meta, wiki_head, ignore_merges):
-    from kvcli.bpe import ByteLevelBPE
-    from kvcli.packed_strings import PackedStrings
-
-    ours = ByteLevelBPE(PackedStrings.of(meta["tokenizer.ggml.tokens"]), PackedStrings.of(meta["tokenizer.ggml.merges"]),
-                        [r"\s+|\S+"], ignore_merges)
-    lib = _library_bpe(meta, ignore_merges)
-    # whole words (no regexes): long ones too, where a word's merges run in the hundreds
-    texts = [wiki_head[:3000], " " * 5000, "1234567890" * 300, "ab" * 2000, "é∑😀 " * 200, *TRICKY.values()]
-    for text in texts:
-        for word in ours.words(text):
-            assert ours.encode(word) == lib.encode(word, add_special_tokens=False).ids, word[:40]
-
+# --- the byte-level BPE (kvcli/bpe.py): merges listed twice, bad merges (its merges against the tokenizers library:
+# tests/test_tokenizer_suite.py) ---
 
 def _tiny_meta(merges: list[str], extra: list[str]) -> dict:
     tokens = list(bytes_to_unicode().values()) + extra

@@ -104,6 +104,29 @@ def test_llama_cpp_tokenizer_cases(path):
     assert not failed, f"{len(failed)} of {len(cases)} cases differ:\n" + "\n".join(failed)
 
 
+@pytest.mark.parametrize("name", ["qwen2", "llama-bpe"])
+@pytest.mark.parametrize("ignore_merges", [False, True])
+def test_bpe_merges_as_the_tokenizers_library(name, ignore_merges):
+    """kvcli/bpe.py's merges against the tokenizers library's BPE model on a real vocabulary, word by word: the
+    suite's texts, and long words whose merges run in the thousands."""
+    from tokenizers import Tokenizer as LibraryTokenizer
+    from tokenizers import models, pre_tokenizers
+
+    from kvcli.bpe import ByteLevelBPE
+
+    path = _sdist_root() / "models" / f"ggml-vocab-{name}.gguf"
+    meta = _scan(np.fromfile(path, np.uint8), str(path))[0]
+    tokens, merges = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.merges"]
+    ours = ByteLevelBPE(tokens, merges, [r"\s+|\S+"], ignore_merges)
+    lib = LibraryTokenizer(models.BPE(vocab={t: i for i, t in enumerate(tokens)},
+                                      merges=[tuple(m.split(" ", 1)) for m in merges], ignore_merges=ignore_merges))
+    lib.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    texts = [*read_cases(path), " " * 3000, "1234567890" * 300, "ab" * 1500, "é∑😀" * 300, "Ġ" * 100]
+    for text in texts:
+        for word in ours.words(text):
+            assert ours.encode(word) == lib.encode(word, add_special_tokens=False).ids, word[:40]
+
+
 # --- the pre-tokenizer table against llama.cpp's source ---------------------------------------
 
 
