@@ -1167,6 +1167,7 @@ if numba is not None:
 TILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 WORD_TYPES, QUAD_TYPES = TILE_TYPES[:5], TILE_TYPES[5:]  # x as 16-bit integers (ggml_tile_dots), 8-bit (ggml_quad_dots)
 TILE_ROWS = 8  # rows of W a tile interleaves: one int32 / f32 lane each
+PLACED_TYPES = ("Q6_K",)  # QUAD_TYPES whose batches take ggml_quad_batch4 (its code vectors' loads placed by LLVM)
 
 
 def tile_order(name: str) -> tuple[tuple[int, ...], ...]:
@@ -1440,7 +1441,7 @@ if numba is not None:
         else:
             raise ValueError(name)
 
-    def _quad_codegen(ng: int, vnni: bool):
+    def _quad_codegen(ng: int, vnni: bool, placed: tuple[str, ...]):
         def codegen(context, builder, sig, args):
             kind, lo, hi, g0 = args[0], args[2], args[3], args[8]
             tiles, xq, xs, xsum, xsum16, y = (context.make_array(sig.args[j])(context, builder, args[j])
@@ -1457,7 +1458,7 @@ if numba is not None:
 
             def block(name, reads):
                 def quad(unit):
-                    return ir_load_ordered(builder, reads.unit_at(unit), _V32B)
+                    return (ir_load if name in placed else ir_load_ordered)(builder, reads.unit_at(unit), _V32B)
 
                 def xquad(g, col):  # x's columns col..col+3 of row g in every 32-bit lane
                     addr = builder.add(x_q[g], builder.add(reads.col0, c64(col)))
@@ -1527,12 +1528,18 @@ if numba is not None:
 
         return codegen
 
-    def _quad_intrinsic(ng: int):
-        """ggml_quad_dots' signature: (kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y)."""
+    def _quad_intrinsic(ng: int, placed: tuple[str, ...] = ()):
+        """ggml_quad_dots' signature: (kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y); the code vectors of the
+        types `placed` loaded where LLVM places them, the others' in order."""
         def typer(typingctx, kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y):
             i = types.int64
-            return types.none(i, tiles, i, i, xq, xs, xsum, xsum16, i, y), _quad_codegen(ng, target_has("avx512vnni"))
+            return (types.none(i, tiles, i, i, xq, xs, xsum, xsum16, i, y),
+                    _quad_codegen(ng, target_has("avx512vnni"), placed))
 
         return intrinsic(typer)
 
     ggml_quad_dots1, ggml_quad_dots2, ggml_quad_dots3, ggml_quad_dots4 = (_quad_intrinsic(g) for g in (1, 2, 3, 4))
+    # A batch's: its tiles' block is read from L2 by every group of x's rows (ggml_tiles._span8), where the order of
+    # the loads leads no prefetcher. Q6_K's code vectors are then LLVM's to place and to fold into the instructions
+    # that use them (its product at 512 rows 1.15-1.3x); Q4_K's ran 0.85-0.9x so (benchmarks/README.md section 14).
+    ggml_quad_batch4 = _quad_intrinsic(4, placed=PLACED_TYPES)
