@@ -29,7 +29,7 @@ import numpy as np
 from . import ggml_dot
 from .compile import available, jit, jit_threaded, numba
 from .ggml_rows import IQ4_VALUES, KINDS, _decode_row, _threads
-from .vectors import PLACED_TYPES, QUAD_TYPES, TILE_ROWS, TILE_TYPES, WORD_TYPES, tile_order, tile_places
+from .vectors import QUAD_TYPES, TILE_ROWS, TILE_TYPES, WORD_TYPES, tile_order, tile_places
 
 if numba is not None:
     from .vectors import bf16_from_f32
@@ -209,14 +209,13 @@ def quantized8(x):
 
 
 TILE_BLOCK_BYTES = 64 << 10  # tiles a batch's rows of x take in turn: the block stays in the core's L2 meanwhile
-_PLACED_KINDS = tuple(QUAD_TYPES.index(name) for name in PLACED_TYPES)
 
 
 @jit
 def _span8(kind, tiles, xq, xs, xsum, xsum16, y, lo, hi):
     """_span for QUAD_TYPES[kind] and 8-bit x. A batch (more than 4 rows) takes tiles lo..hi-1 by blocks of
     TILE_BLOCK_BYTES, each by every group of x's rows before the next: W is read once from memory, not once a group,
-    and from L2 (PLACED_TYPES: by the kernel whose loads LLVM places, ggml_quad_batch4)."""
+    and from L2 by the kernel whose loads LLVM places (ggml_quad_batch4)."""
     M = xq.shape[0]
     block = max(1, TILE_BLOCK_BYTES // tiles.shape[1]) if M > 4 else max(1, hi - lo)
     for t0 in range(lo, hi, block):
@@ -224,7 +223,7 @@ def _span8(kind, tiles, xq, xs, xsum, xsum16, y, lo, hi):
         g0 = 0
         while g0 < M:
             g = M - g0
-            if g >= 4 and M > 4 and kind in _PLACED_KINDS:
+            if g >= 4 and M > 4:
                 ggml_quad_batch4(kind, tiles, t0, t1, xq, xs, xsum, xsum16, g0, y)
             elif g >= 4:
                 ggml_quad_dots4(kind, tiles, t0, t1, xq, xs, xsum, xsum16, g0, y)

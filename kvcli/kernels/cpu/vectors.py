@@ -1167,7 +1167,6 @@ if numba is not None:
 TILE_TYPES = ("Q4_0", "Q4_1", "Q5_0", "Q5_1", "Q8_0", "Q4_K", "Q5_K", "Q6_K")
 WORD_TYPES, QUAD_TYPES = TILE_TYPES[:5], TILE_TYPES[5:]  # x as 16-bit integers (ggml_tile_dots), 8-bit (ggml_quad_dots)
 TILE_ROWS = 8  # rows of W a tile interleaves: one int32 / f32 lane each
-PLACED_TYPES = ("Q6_K",)  # QUAD_TYPES whose batches take ggml_quad_batch4 (its code vectors' loads placed by LLVM)
 
 
 def tile_order(name: str) -> tuple[tuple[int, ...], ...]:
@@ -1385,8 +1384,9 @@ if numba is not None:
     _V8H = ir.VectorType(ir.IntType(16), 8)
 
     def _quad_body(name, builder, quad, f16s, bytes8, dot, dot_scaled, scale, mins):
-        """One super-block of 8 rows of type `name` (QUAD_TYPES), read in tile_order's order: quad(unit) the 8 rows'
-        4 bytes from `unit` (<32 x i8>); f16s(unit), bytes8(byte) as _tile_body's; dot(slot, codes, col, top): the
+        """One super-block of 8 rows of type `name` (QUAD_TYPES), read in tile_order's order: quad(unit, ordered) the
+        8 rows' 4 bytes from `unit` (<32 x i8>; ordered: in program order even where the kernel lets LLVM place its
+        loads, the batches' ggml_quad_batch4); f16s(unit), bytes8(byte) as _tile_body's; dot(slot, codes, col, top): the
         integer sums of codes (<32 x i8>, unsigned, at most top) times x's columns col..col+3 added into `slot`;
         dot_scaled(slot, [codes, codes], col, sc): two such runs (columns col..col+3, col+4..col+7) times each row's
         16-bit scale (<16 x i16>, row r in lanes 2r, 2r + 1) into `slot`; scale(slot, coef, col): the slot's sums
@@ -1402,7 +1402,9 @@ if numba is not None:
             for j in range(4):
                 for h in (0, 1):  # sub-block 2j (low nibbles), then 2j + 1 (high): one slot's sums live at a time
                     for c in range(8):  # columns 4c..4c+3 of the sub-block
-                        codes = quad(first + 16 * j + 2 * c)
+                        # its second load (h = 1) in order: merged with the first, the first pass's 8 code vectors
+                        # would stay live across it, more than AVX2's 16 registers hold
+                        codes = quad(first + 16 * j + 2 * c, ordered=h == 1)
                         v = builder.and_(codes, b32(15)) if h == 0 else builder.lshr(codes, b32(4))
                         if name == "Q5_K":  # qh[l] bit 2j + h: element l of sub-block 2j + h
                             qh = quad(8 + 2 * c)
@@ -1441,7 +1443,7 @@ if numba is not None:
         else:
             raise ValueError(name)
 
-    def _quad_codegen(ng: int, vnni: bool, placed: tuple[str, ...]):
+    def _quad_codegen(ng: int, vnni: bool, placed: bool):
         def codegen(context, builder, sig, args):
             kind, lo, hi, g0 = args[0], args[2], args[3], args[8]
             tiles, xq, xs, xsum, xsum16, y = (context.make_array(sig.args[j])(context, builder, args[j])
@@ -1457,8 +1459,9 @@ if numba is not None:
             zero = ir.Constant(_V8I, [0] * 8)
 
             def block(name, reads):
-                def quad(unit):
-                    return (ir_load if name in placed else ir_load_ordered)(builder, reads.unit_at(unit), _V32B)
+                def quad(unit, ordered=False):
+                    load = ir_load if placed and not ordered else ir_load_ordered
+                    return load(builder, reads.unit_at(unit), _V32B)
 
                 def xquad(g, col):  # x's columns col..col+3 of row g in every 32-bit lane
                     addr = builder.add(x_q[g], builder.add(reads.col0, c64(col)))
@@ -1528,9 +1531,9 @@ if numba is not None:
 
         return codegen
 
-    def _quad_intrinsic(ng: int, placed: tuple[str, ...] = ()):
-        """ggml_quad_dots' signature: (kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y); the code vectors of the
-        types `placed` loaded where LLVM places them, the others' in order."""
+    def _quad_intrinsic(ng: int, placed: bool = False):
+        """ggml_quad_dots' signature: (kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y); placed: the code vectors
+        loaded where LLVM places them (but those _quad_body asks in order), else all in program order."""
         def typer(typingctx, kind, tiles, lo, hi, xq, xs, xsum, xsum16, g0, y):
             i = types.int64
             return (types.none(i, tiles, i, i, xq, xs, xsum, xsum16, i, y),
@@ -1540,6 +1543,6 @@ if numba is not None:
 
     ggml_quad_dots1, ggml_quad_dots2, ggml_quad_dots3, ggml_quad_dots4 = (_quad_intrinsic(g) for g in (1, 2, 3, 4))
     # A batch's: its tiles' block is read from L2 by every group of x's rows (ggml_tiles._span8), where the order of
-    # the loads leads no prefetcher. Q6_K's code vectors are then LLVM's to place and to fold into the instructions
-    # that use them (its product at 512 rows 1.15-1.3x); Q4_K's ran 0.85-0.9x so (benchmarks/README.md section 14).
-    ggml_quad_batch4 = _quad_intrinsic(4, placed=PLACED_TYPES)
+    # the loads leads no prefetcher. The code vectors are then LLVM's to place and to fold into the instructions
+    # that use them (products at 512 rows on AVX2: Q6_K 1.5x, Q4_K 1.14x, Q5_K 1.07x; benchmarks/README.md section 14).
+    ggml_quad_batch4 = _quad_intrinsic(4, placed=True)
