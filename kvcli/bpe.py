@@ -72,6 +72,3 @@ class ByteLevelBPE:
         raw = np.frombuffer(b"".join(words), np.uint8)
         return encode_words(raw, starts, self._byte_ids, self._level, self._level_at, self._slots, self._buf,
                             self._at, self._keys, self._values, self._whole_words).tolist()
-
-    def nbytes(self) -> int:
-        return self._slots.nbytes + self._keys.nbytes + self._values.nbytes
