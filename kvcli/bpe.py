@@ -2,9 +2,9 @@
 
 The text is cut into words by the file's pre-tokenizer regexes (kvcli/pretokenizers.py, run by the tokenizers
 library's Split, which reads them as llama.cpp does); each word's bytes are merged in kvcli/kernels/cpu/bpe.py
-against two hash tables over the packed strings (a 150k vocabulary: ~6 MiB, against ~40 MiB as the tokenizers
-library's BPE model held it). GPT-2's byte-level alphabet spells each byte as one printable character in the
-vocabulary; the words are merged as raw bytes and spelled that way only to look a whole word up (ignore_merges).
+against two hash tables over the packed strings (a fraction of what the tokenizers library's BPE model held:
+benchmarks/README.md, "Memory and RSS"). GPT-2's byte-level alphabet spells each byte as one printable character in
+the vocabulary; the words are merged as raw bytes and spelled that way only to look a whole word up (ignore_merges).
 """
 
 from __future__ import annotations

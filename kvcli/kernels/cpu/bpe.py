@@ -1,9 +1,10 @@
 """Byte-level BPE on a vocabulary's packed UTF-8 texts (numba; kvcli/bpe.py builds the tables and calls these).
 
-Two open-addressing tables stand in for the tokenizers library's hash maps (~40 MiB for a 150k vocabulary as Rust
-strings and maps): `slots` maps a token's text (hashed from its bytes in the packed buffer) to its id, `keys` /
-`values` map a merge's two ids to its rank and the id it makes. A word is merged as llama.cpp's llm_tokenizer_bpe
-and the tokenizers library do: the adjacent pair of lowest rank first, the leftmost of equal ranks.
+Two open-addressing tables stand in for the tokenizers library's hash maps (a vocabulary as Rust strings and maps,
+several times the size: benchmarks/README.md, "Memory and RSS"): `slots` maps a token's text (hashed from its bytes
+in the packed buffer) to its id, `keys` / `values` map a merge's two ids to its rank and the id it makes. A word is
+merged as llama.cpp's llm_tokenizer_bpe and the tokenizers library do: the adjacent pair of lowest rank first, the
+leftmost of equal ranks.
 """
 
 from __future__ import annotations

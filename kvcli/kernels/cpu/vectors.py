@@ -1544,5 +1544,5 @@ if numba is not None:
     ggml_quad_dots1, ggml_quad_dots2, ggml_quad_dots3, ggml_quad_dots4 = (_quad_intrinsic(g) for g in (1, 2, 3, 4))
     # A batch's: its tiles' block is read from L2 by every group of x's rows (ggml_tiles._span8), where the order of
     # the loads leads no prefetcher. The code vectors are then LLVM's to place and to fold into the instructions
-    # that use them (products at 512 rows on AVX2: Q6_K 1.5x, Q4_K 1.14x, Q5_K 1.07x; benchmarks/README.md section 14).
+    # that use them (a batch's products faster on AVX2: benchmarks/README.md section 14).
     ggml_quad_batch4 = _quad_intrinsic(4, placed=True)
