@@ -32,7 +32,8 @@ class PackedStrings(Sequence):
 
     @classmethod
     def of(cls, items: Sequence[str]) -> "PackedStrings":
-        return cls.joined([s.encode("utf-8") for s in items])
+        """items packed (a PackedStrings, as a file's arrays are, is returned as it is)."""
+        return items if isinstance(items, PackedStrings) else cls.joined([s.encode("utf-8") for s in items])
 
     def invalid(self) -> tuple[int, int] | None:
         """(element, offset in it) where the first element that is not valid UTF-8 fails to decode, or None. Every

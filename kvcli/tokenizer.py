@@ -122,9 +122,9 @@ class Tokenizer:
         else:
             pre = pre_tokenizer(meta.get("tokenizer.ggml.pre") or "default")
             default_bos = pre.add_bos
-            packed = lambda v: v if isinstance(v, PackedStrings) else PackedStrings.of(v)  # noqa: E731  (a file's are)
-            self._bpe = ByteLevelBPE(packed(self.tokens), packed(meta.get("tokenizer.ggml.merges") or []),
-                                     [for_onig(r) for r in pre.regexes], pre.ignore_merges)
+            merges = PackedStrings.of(meta.get("tokenizer.ggml.merges") or [])
+            self._bpe = ByteLevelBPE(PackedStrings.of(self.tokens), merges, [for_onig(r) for r in pre.regexes],
+                                     pre.ignore_merges)
         # parse_special -> (regex splitting out the tokens matched whole, their text -> id)
         self._split = {ps: self._splitter(self._always + (self._special if ps else [])) for ps in (False, True)}
         self.add_bos: bool = bool(meta.get("tokenizer.ggml.add_bos_token", default_bos)) and self.bos_id is not None
